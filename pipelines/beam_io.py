@@ -1,0 +1,310 @@
+"""Beam transforms that read and write documents, shared by every stage.
+
+Reading never crashes on bad input: a record that cannot be decoded becomes a dead letter
+with its reason. Writing is deterministic: records are assigned to a fixed number of shards by a
+stable hash, sorted inside each shard, and gzipped without timestamps, so the same records give
+byte-identical files on any runner and in any execution order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import apache_beam as beam
+import xxhash
+from apache_beam import pvalue
+
+from pipelines import storage
+from pipelines.documents import (
+    DeadLetter,
+    Document,
+    InvalidRecord,
+    dead_letter,
+    dead_letter_sort_key,
+    decode_line,
+    dumps,
+    validate_document,
+)
+from pipelines.manifest import ShardInfo, has_manifest, read_manifest
+
+RECORDS = "records"
+DEAD = "dead_letter"
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
+PARQUET_SUFFIXES = (".parquet",)
+HF_PREFIX = "hf:"
+
+
+@dataclass(frozen=True)
+class InputSource:
+    """One unit of reading work: a file, or one shard of a Hugging Face dataset."""
+
+    kind: str  # "jsonl" | "parquet" | "hf"
+    path: str
+    hf_config: str | None = None
+    hf_split: str = "train"
+    shard: int = 0
+    num_shards: int = 1
+
+
+def _supported(path: str) -> str | None:
+    if path.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if path.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return None
+
+
+def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource]:
+    """Expand input specs into reading units, in a stable order.
+
+    A spec is a finished stage output directory (its manifest's shards), any other directory
+    (every JSONL/Parquet file below it), a glob or file (local or ``gs://``), or
+    ``hf:NAME[:CONFIG][@SPLIT]`` for a Hugging Face dataset (a hub name or a local dataset
+    folder), read through the ``datasets`` library.
+    """
+    sources: list[InputSource] = []
+    for spec in specs:
+        if spec.startswith(HF_PREFIX):
+            name, _, split = spec[len(HF_PREFIX) :].partition("@")
+            name, _, config = name.partition(":") if "://" not in name else (name, "", "")
+            sources.extend(
+                InputSource("hf", name, config or None, split or "train", i, hf_shards)
+                for i in range(hf_shards)
+            )
+            continue
+        if has_manifest(spec):
+            manifest = read_manifest(spec)
+            sources.extend(InputSource("jsonl", p) for p in manifest.shard_paths(spec))
+            continue
+        fs = storage.filesystem(spec)
+        if fs.isdir(spec):
+            pattern = storage.join(spec, "**")
+            files = [p for p in storage.expand_glob(pattern) if _supported(p)]
+        else:
+            files = storage.expand_glob(spec)
+        if not files:
+            raise FileNotFoundError(f"input {spec!r} matches no files")
+        for path in files:
+            kind = _supported(path)
+            if kind is None:
+                # Unknown extensions are read as JSON lines: a wrong file then shows up as
+                # counted dead letters instead of vanishing.
+                kind = "jsonl"
+            sources.append(InputSource(kind, path))
+    return sources
+
+
+def _read_jsonl(source: InputSource) -> Iterator[Any]:
+    line_no = 0
+    try:
+        for line_no, raw in enumerate(storage.iter_lines(source.path), start=1):
+            origin = f"{source.path}:{line_no}"
+            try:
+                yield (origin, decode_line(raw))
+            except InvalidRecord as err:
+                yield pvalue.TaggedOutput(
+                    DEAD, dead_letter(err.reason, "read", origin, raw, err.detail)
+                )
+    except (OSError, EOFError, ValueError) as err:
+        # Truncated or corrupt compressed file: what was read is kept, the rest is one letter.
+        origin = f"{source.path}:{line_no + 1}"
+        yield pvalue.TaggedOutput(
+            DEAD,
+            dead_letter(
+                "unreadable_file", "read", origin, source.path, f"{type(err).__name__}: {err}"
+            ),
+        )
+
+
+def _read_parquet(source: InputSource) -> Iterator[Any]:
+    import fsspec
+    import pyarrow.parquet as pq
+
+    row = 0
+    try:
+        with fsspec.open(source.path, "rb") as handle:
+            for batch in pq.ParquetFile(handle).iter_batches(batch_size=1024):
+                for record in batch.to_pylist():
+                    yield (f"{source.path}#{row}", record)
+                    row += 1
+    except Exception as err:  # pyarrow raises several unrelated types for corrupt files
+        yield pvalue.TaggedOutput(
+            DEAD,
+            dead_letter(
+                "unreadable_file",
+                "read",
+                f"{source.path}#{row}",
+                source.path,
+                f"{type(err).__name__}: {err}",
+            ),
+        )
+
+
+def _read_hf(source: InputSource) -> Iterator[Any]:
+    import datasets
+
+    if os.path.isdir(source.path) and os.path.exists(
+        os.path.join(source.path, "dataset_info.json")
+    ):
+        dataset = datasets.load_from_disk(source.path)
+    elif os.path.isdir(source.path) and os.path.exists(
+        os.path.join(source.path, "dataset_dict.json")
+    ):
+        dataset = datasets.load_from_disk(source.path)[source.hf_split]
+    else:
+        dataset = datasets.load_dataset(source.path, source.hf_config, split=source.hf_split)
+    shard = dataset.shard(source.num_shards, source.shard, contiguous=True)
+    offset = sum(
+        len(dataset.shard(source.num_shards, i, contiguous=True)) for i in range(source.shard)
+    )
+    for i, record in enumerate(shard):
+        yield (f"hf:{source.path}@{source.hf_split}#{offset + i}", dict(record))
+
+
+def read_source(source: InputSource) -> Iterator[Any]:
+    if source.kind == "jsonl":
+        yield from _read_jsonl(source)
+    elif source.kind == "parquet":
+        yield from _read_parquet(source)
+    else:
+        yield from _read_hf(source)
+
+
+class ReadRecords(beam.PTransform):
+    """Inputs -> tagged outputs ``records`` ((origin, decoded object)) and ``dead_letter``."""
+
+    def __init__(self, specs: list[str]) -> None:
+        super().__init__()
+        self.sources = resolve_inputs(specs)
+
+    def expand(self, pbegin: beam.pvalue.PBegin) -> pvalue.DoOutputsTuple:
+        return (
+            pbegin
+            | "Sources" >> beam.Create(self.sources)
+            | "Spread" >> beam.Reshuffle()
+            | "Read" >> beam.FlatMap(read_source).with_outputs(DEAD, main=RECORDS)
+        )
+
+
+def _parse(item: tuple[str, Any], stage: str) -> Iterator[Any]:
+    origin, obj = item
+    try:
+        yield validate_document(obj)
+    except InvalidRecord as err:
+        yield pvalue.TaggedOutput(DEAD, dead_letter(err.reason, stage, origin, obj, err.detail))
+
+
+class ParseDocuments(beam.PTransform):
+    """(origin, object) -> valid documents, and dead letters for everything else."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def expand(self, records: beam.PCollection) -> pvalue.DoOutputsTuple:
+        return records | "Validate" >> beam.FlatMap(_parse, self.stage).with_outputs(
+            DEAD, main=RECORDS
+        )
+
+
+def stable_shard(key: str, num_shards: int) -> int:
+    return xxhash.xxh64_intdigest(key.encode("utf-8")) % num_shards
+
+
+def shard_name(prefix: str, index: int, num_shards: int) -> str:
+    return f"{prefix}-{index:05d}-of-{num_shards:05d}.jsonl.gz"
+
+
+def _write_shard(
+    item: tuple[int, Iterable[Any]],
+    output_dir: str,
+    prefix: str,
+    num_shards: int,
+    sort_key: Callable[[Any], Any],
+) -> dict[str, Any]:
+    index, records = item
+    rows = sorted((r for r in records if r is not None), key=sort_key)
+    payload = "".join(dumps(r) + "\n" for r in rows).encode("utf-8")
+    data = storage.gzip_bytes(payload)
+    relative = shard_name(prefix, index, num_shards)
+    path = storage.join(output_dir, relative)
+    storage.makedirs(os.path.dirname(path) if "://" not in path else path.rsplit("/", 1)[0])
+    storage.write_bytes_atomic(path, data)
+    return asdict(ShardInfo(relative, len(rows), len(data), storage.sha256_hex(data)))
+
+
+def document_sort_key(doc: Document) -> tuple[str, str]:
+    return (doc["id"], dumps(doc))
+
+
+class WriteShards(beam.PTransform):
+    """Records -> ``num_shards`` deterministic gzipped JSONL shards; outputs one ShardInfo each.
+
+    Every shard is written, empty or not, so the file set depends only on ``num_shards``.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        prefix: str,
+        num_shards: int,
+        shard_key: Callable[[Any], str],
+        sort_key: Callable[[Any], Any],
+    ) -> None:
+        super().__init__()
+        self.output_dir = output_dir
+        self.prefix = prefix
+        self.num_shards = num_shards
+        self.shard_key = shard_key
+        self.sort_key = sort_key
+
+    def expand(self, records: beam.PCollection) -> beam.PCollection:
+        n = self.num_shards
+        keyed = records | "Key" >> beam.Map(lambda r, k=self.shard_key: (stable_shard(k(r), n), r))
+        empties = records.pipeline | "AllShards" >> beam.Create([(i, None) for i in range(n)])
+        return (
+            (keyed, empties)
+            | "WithEmpty" >> beam.Flatten()
+            | "GroupShard" >> beam.GroupByKey()
+            | "Write" >> beam.Map(_write_shard, self.output_dir, self.prefix, n, self.sort_key)
+        )
+
+
+def write_documents(
+    docs: beam.PCollection, output_dir: str, num_shards: int, label: str = "WriteDocs"
+) -> beam.PCollection:
+    return docs | label >> WriteShards(
+        output_dir, "data/part", num_shards, lambda d: d["id"], document_sort_key
+    )
+
+
+def _dead_letter_shard_key(letter: DeadLetter) -> str:
+    return letter["origin"]
+
+
+def write_dead_letters(
+    letters: beam.PCollection, output_dir: str, num_shards: int, label: str = "WriteDead"
+) -> beam.PCollection:
+    return letters | label >> WriteShards(
+        output_dir, "dead_letter/part", num_shards, _dead_letter_shard_key, dead_letter_sort_key
+    )
+
+
+def read_documents(path: str) -> Iterator[Document]:
+    """Plain-Python reader of a finished stage output (tests, tools, the trainer's eval sets)."""
+    manifest = read_manifest(path)
+    for shard in manifest.shard_paths(path):
+        for raw in storage.iter_lines(shard):
+            yield validate_document(decode_line(raw))
+
+
+def read_dead_letters(path: str) -> Iterator[DeadLetter]:
+    import json
+
+    manifest = read_manifest(path)
+    for shard in manifest.dead_letter_paths(path):
+        for raw in storage.iter_lines(shard):
+            yield json.loads(raw)
