@@ -17,7 +17,7 @@ def _build(root: str, shards: dict[str, list[list[int]]]) -> TokenStore:
 
 def test_flat_windows_span_shards_in_ledger_order(tmp_path):
     rng = np.random.default_rng(0)
-    docs = [list(rng.integers(1, 100, size=rng.integers(1, 50))) + [0] for _ in range(40)]
+    docs = [[*rng.integers(1, 100, size=rng.integers(1, 50)).tolist(), 0] for _ in range(40)]
     # Written out of order: the ledger orders shards by name.
     store = _build(str(tmp_path), {"b": docs[20:], "a": docs[:20], "c": []})
     flat = np.concatenate([np.asarray(d, dtype=np.uint32) for d in docs])
