@@ -156,12 +156,11 @@ def _read_hf(source: InputSource) -> Iterator[Any]:
         dataset = datasets.load_from_disk(source.path)[source.hf_split]
     else:
         dataset = datasets.load_dataset(source.path, source.hf_config, split=source.hf_split)
-    shard = dataset.shard(source.num_shards, source.shard, contiguous=True)
-    offset = sum(
-        len(dataset.shard(source.num_shards, i, contiguous=True)) for i in range(source.shard)
-    )
-    for i, record in enumerate(shard):
-        yield (f"hf:{source.path}@{source.hf_split}#{offset + i}", dict(record))
+    # Contiguous row ranges by arithmetic: datasets' own shard() rejects empty shards.
+    begin = len(dataset) * source.shard // source.num_shards
+    end = len(dataset) * (source.shard + 1) // source.num_shards
+    for row in range(begin, end):
+        yield (f"hf:{source.path}@{source.hf_split}#{row}", dict(dataset[row]))
 
 
 def read_source(source: InputSource) -> Iterator[Any]:

@@ -10,7 +10,9 @@ import gzip
 import hashlib
 import io
 import posixpath
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
 
 import fsspec
 
@@ -68,17 +70,45 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
     fs.mv(tmp, path)
 
 
+def _gunzip_chunks(raw: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+    """Decompress gzip (multi-member too) incrementally.
+
+    Unlike GzipFile, a truncated file still yields everything decoded before the cut, and then
+    raises EOFError, so the caller can keep those records and dead-letter the rest.
+    """
+    decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    fed = False  # has the current member decoder seen any input?
+    while data := raw.read(chunk_size):
+        while data:
+            fed = True
+            yield decoder.decompress(data)
+            if decoder.eof:
+                data = decoder.unused_data
+                decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                fed = False
+            else:
+                data = b""
+    if fed and not decoder.eof:
+        raise EOFError("compressed file ended before the end-of-stream marker")
+
+
 def iter_lines(path: str) -> Iterator[bytes]:
-    """Raw lines (without the newline) of a text file, gunzipping ``.gz`` files."""
+    """Raw non-blank lines (without the newline) of a text file, gunzipping ``.gz`` files."""
     with fsspec.open(path, "rb") as raw:
-        stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-        buffered = io.BufferedReader(stream) if path.endswith(".gz") else stream
-        for line in buffered:
-            line = line.rstrip(b"\n")
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            if line.strip():
-                yield line
+        chunks: Iterable[bytes] = (
+            _gunzip_chunks(raw) if path.endswith(".gz") else iter(lambda: raw.read(1 << 20), b"")
+        )
+        pending = b""
+        for chunk in chunks:
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.endswith(b"\r"):
+                    line = line[:-1]
+                if line.strip():
+                    yield line
+        if pending.strip():
+            yield pending.rstrip(b"\r")
 
 
 def gzip_bytes(data: bytes) -> bytes:

@@ -1,0 +1,216 @@
+"""Ingest on hostile input: every record is kept or dead-lettered with a counted reason."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import ingest
+from pipelines.beam_io import read_dead_letters, read_documents
+from pipelines.manifest import read_manifest
+from pipelines.stage import StageError, config_from_mapping, run_stage
+
+BIG_DOC_CHARS = 20 * 1024 * 1024
+
+
+def _line(obj: object) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+@pytest.fixture(scope="module")
+def hostile_inputs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    good = [
+        {"id": f"doc-{i}", "text": f"Document number {i} has ordinary text.", "source": "web"}
+        for i in range(20)
+    ]
+    lines = [_line(d) for d in good]
+    lines += [
+        b'{"id": "trunc", "text": "cut off in the mid\n',  # truncated JSON
+        b"not json at all\n",
+        b'{"id": "bad-utf8", "text": "caf\xe9"}\n',  # latin-1 byte: invalid UTF-8
+        _line({"id": "no-text", "source": "web"}),
+        _line({"id": "num-text", "text": 42}),
+        _line({"id": "empty", "text": "   \n\t "}),
+        _line({"id": "doc-3", "text": "A second record claiming id doc-3.", "source": "web"}),
+        _line(["a", "list"]),
+        _line({"id": "big", "text": "word " * (BIG_DOC_CHARS // 5), "source": "web"}),
+    ]
+    (root / "mixed.jsonl").write_bytes(b"".join(lines))
+    # A NUL-laden binary file given as an input.
+    (root / "blob.jsonl").write_bytes(bytes(range(256)) * 64 + b"\n\x00\x00\x00\n")
+    # A gzip file cut in half: the first records survive, the rest is one dead letter.
+    gz = gzip.compress(
+        b"".join(_line({"id": f"gz-{i}", "text": f"zipped {i}"}) for i in range(400))
+    )
+    (root / "cut.jsonl.gz").write_bytes(gz[: len(gz) // 2])
+    return root
+
+
+@pytest.fixture(scope="module")
+def hostile_run(hostile_inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "ingest"
+    run = run_stage(
+        "ingest",
+        ingest.build,
+        ingest.IngestConfig(source="web"),
+        [
+            str(hostile_inputs / "mixed.jsonl"),
+            str(hostile_inputs / "blob.jsonl"),
+            str(hostile_inputs / "cut.jsonl.gz"),
+        ],
+        str(out),
+        raw_records=True,
+    )
+    return out, run.manifest
+
+
+def test_nothing_is_lost(hostile_run):
+    out, manifest = hostile_run
+    kept = list(read_documents(str(out)))
+    letters = list(read_dead_letters(str(out)))
+    assert manifest.records_in == manifest.records_out + sum(manifest.dropped.values())
+    assert len(kept) == manifest.records_out
+    assert Counter(letter["reason"] for letter in letters) == manifest.dropped
+
+
+def test_each_bad_record_gets_its_reason(hostile_run):
+    _, manifest = hostile_run
+    dropped = manifest.dropped
+    assert dropped["invalid_json"] >= 2  # truncated line, "not json", binary lines
+    for reason in ("invalid_utf8", "missing_text", "non_string_text", "empty_text"):
+        assert dropped[reason] >= 1, reason
+    assert dropped["duplicate_id"] == 1
+    assert dropped["invalid_record"] == 1
+    assert dropped["too_long"] == 1
+    assert dropped["unreadable_file"] == 1
+
+
+def test_good_records_survive_and_are_normalized(hostile_run):
+    out, _ = hostile_run
+    kept = {d["id"]: d for d in read_documents(str(out))}
+    assert {f"doc-{i}" for i in range(20)} <= set(kept)
+    assert all(d["source"] == "web" for d in kept.values() if d["id"].startswith("doc-"))
+    # The truncated gzip still yields the records before the cut.
+    assert any(i.startswith("gz-") for i in kept)
+
+
+def test_duplicate_id_keeps_one_and_names_it(hostile_run):
+    out, _ = hostile_run
+    letter = next(x for x in read_dead_letters(str(out)) if x["reason"] == "duplicate_id")
+    assert letter["record"]["id"] == "doc-3"
+    assert letter["duplicate_of"].endswith(".jsonl:4") or letter["duplicate_of"].endswith(
+        ".jsonl:27"
+    )
+
+
+def test_binary_bytes_are_kept_verbatim_in_dead_letters(hostile_run):
+    out, _ = hostile_run
+    binary = [x for x in read_dead_letters(str(out)) if "blob.jsonl" in x["origin"]]
+    assert binary, "binary file produced no dead letters"
+    assert any(isinstance(x["record"], dict) and "base64" in x["record"] for x in binary) or any(
+        x["reason"] == "binary_data" for x in binary
+    )
+
+
+def test_big_document_is_kept_when_allowed(tmp_path):
+    src = tmp_path / "big.jsonl"
+    src.write_bytes(_line({"id": "big", "text": "word " * (BIG_DOC_CHARS // 5)}))
+    config = ingest.IngestConfig(source="web", max_chars=BIG_DOC_CHARS + 1)
+    run = run_stage(
+        "ingest", ingest.build, config, [str(src)], str(tmp_path / "o"), raw_records=True
+    )
+    assert run.manifest.records_out == 1
+    (doc,) = read_documents(str(tmp_path / "o"))
+    assert len(doc["text"]) == BIG_DOC_CHARS - 1  # trailing space stripped
+
+
+def test_parquet_and_hf_dataset_inputs(tmp_path):
+    rows = [{"text": f"parquet row {i}", "url": f"http://example.com/{i}"} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "part.parquet")
+    import datasets
+
+    datasets.Dataset.from_list(
+        [{"text": f"hf row {i}", "label": i} for i in range(7)]
+    ).save_to_disk(str(tmp_path / "hfds"))
+    run = run_stage(
+        "ingest",
+        ingest.build,
+        ingest.IngestConfig(source="web"),
+        [str(tmp_path / "part.parquet"), f"hf:{tmp_path / 'hfds'}"],
+        str(tmp_path / "o"),
+        raw_records=True,
+    )
+    assert (run.manifest.records_in, run.manifest.records_out) == (12, 12)
+    docs = {d["text"]: d for d in read_documents(str(tmp_path / "o"))}
+    assert docs["parquet row 3"]["metadata"]["url"] == "http://example.com/3"
+    assert docs["hf row 6"]["metadata"]["label"] == 6
+
+
+def test_same_input_same_bytes_in_process_and_multi_processing(hostile_inputs, tmp_path, digest):
+    inputs = [str(hostile_inputs / "mixed.jsonl"), str(hostile_inputs / "cut.jsonl.gz")]
+    config = ingest.IngestConfig(source="web")
+    run_stage("ingest", ingest.build, config, inputs, str(tmp_path / "a"), raw_records=True)
+    run_stage(
+        "ingest",
+        ingest.build,
+        config,
+        inputs,
+        str(tmp_path / "b"),
+        raw_records=True,
+        beam_args=["--direct_running_mode=multi_processing", "--direct_num_workers=2"],
+    )
+    assert digest(tmp_path / "a") == digest(tmp_path / "b")
+    assert read_manifest(str(tmp_path / "a")).records_in > 0
+
+
+def test_unknown_config_field_is_named():
+    with pytest.raises(StageError, match="max_char"):
+        config_from_mapping(ingest.IngestConfig, {"max_char": 5})
+
+
+def test_cli_refuses_multi_threading_and_bad_config(tmp_path):
+    src = tmp_path / "x.jsonl"
+    src.write_text('{"text": "hi"}\n')
+    base = [
+        sys.executable,
+        "-m",
+        "pipelines.ingest",
+        "--input",
+        str(src),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    bad_mode = subprocess.run(
+        [*base, "--direct_running_mode=multi_threading"], capture_output=True, text=True
+    )
+    assert bad_mode.returncode == 2
+    assert "multi_threading is not supported" in bad_mode.stderr
+    bad_config = subprocess.run(
+        [*base, "--config", '{"min_chars": 0}'], capture_output=True, text=True
+    )
+    assert bad_config.returncode == 2
+    assert "min_chars" in bad_config.stderr
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipelines.ingest",
+            "--input",
+            str(tmp_path / "nope*.jsonl"),
+            "--output",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2
+    assert "matches no files" in missing.stderr
