@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
 
 # Control characters other than tab and newline, plus BOM and zero-width characters.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ufeff\u200b-\u200d\u2060]")
@@ -33,3 +37,83 @@ def words(text: str) -> list[str]:
 def dedup_key_text(text: str) -> str:
     """Text as compared by exact dedup: case, punctuation and whitespace differences ignored."""
     return " ".join(words(text))
+
+
+# --- spans and n-gram hashing (used by quality, exact dedup and decontamination) -------------
+
+
+def line_spans(text: str) -> list[tuple[int, int]]:
+    """``[start, end)`` spans of the non-blank lines of ``text``, surrounding blanks excluded.
+
+    A single left-to-right scan: linear in the text, whatever its shape.
+    """
+    spans: list[tuple[int, int]] = []
+    start = 0
+    size = len(text)
+    while start <= size:
+        end = text.find("\n", start)
+        if end < 0:
+            end = size
+        line = text[start:end]
+        stripped = line.strip()
+        if stripped:
+            left = start + (len(line) - len(line.lstrip()))
+            spans.append((left, left + len(stripped)))
+        start = end + 1
+    return spans
+
+
+def paragraph_spans(
+    text: str, lines: Sequence[tuple[int, int]] | None = None
+) -> list[tuple[int, int]]:
+    """Spans of paragraphs: maximal runs of non-blank lines, separated by blank lines.
+
+    A paragraph runs from the first non-blank character of its first line to the last
+    non-blank character of its last line, so the spans never include the separators.
+    ``lines`` may pass ``line_spans(text)`` when the caller already has it.
+    """
+    spans: list[tuple[int, int]] = []
+    previous_end = -1
+    for start, end in line_spans(text) if lines is None else lines:
+        # Consecutive lines belong together unless a blank line (two newlines) lies between.
+        if spans and text.count("\n", previous_end, start) < 2:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+        previous_end = end
+    return spans
+
+
+# Multiplier of the polynomial n-gram hash: an odd 64-bit constant (from splitmix64), so each
+# step of the rolling hash is a bijection on 64-bit words.
+_NGRAM_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+
+def token_hashes(tokens: Sequence[str]) -> np.ndarray:
+    """Stable 64-bit hashes (xxh3_64 of the UTF-8 token), one per token, as ``uint64``.
+
+    Each distinct token is hashed once; the same token gets the same hash in every process.
+    """
+    table = {
+        token: xxhash.xxh3_64_intdigest(token.encode("utf-8", "surrogatepass"))
+        for token in dict.fromkeys(tokens)
+    }
+    return np.fromiter(map(table.__getitem__, tokens), dtype=np.uint64, count=len(tokens))
+
+
+def ngram_hashes(hashes: np.ndarray, n: int) -> np.ndarray:
+    """64-bit hashes of every contiguous n-gram of a token-hash array (``len - n + 1`` of them).
+
+    ``h = ((t0 * M + t1) * M + t2) ...`` modulo 2**64 over random 64-bit token hashes: two
+    different n-grams collide with probability about 2**-64. Vectorized, O(n * len) work.
+    """
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    count = len(hashes) - n + 1
+    if count <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        result = hashes[:count].copy()
+        for k in range(1, n):
+            result = result * _NGRAM_MULTIPLIER + hashes[k : k + count]
+    return result

@@ -1,0 +1,296 @@
+"""Stage 4, decontamination: drop training documents that share long n-grams with eval sets.
+
+A document is contaminated by an evaluation set when it shares at least ``min_overlap``
+distinct word n-grams (``ngram`` = 13 by default, over ``pipelines.text.words``: lowercase,
+punctuation ignored) with that set's texts. It is dropped with reason ``contamination``; the
+dead letter names the matching eval set(s), the number of shared n-grams per set, and one
+shared n-gram as an example. The manifest counts contaminated documents per eval set.
+
+Eval sets are document JSONL(.gz) files, globs or stage outputs; a record's ``source`` names
+its set (``data/eval/hellaswag.jsonl.gz`` holds documents with source ``hellaswag``).
+
+Eval texts shorter than ``ngram`` words (a PIQA goal, an ARC question) would otherwise never
+match anything: one with at least ``min_short_words`` words is used whole, as a single n-gram
+of its own length, so a document containing it verbatim is contaminated. Shorter texts are
+too generic to be evidence of leakage ("What is the capital of France?") and are skipped;
+the manifest counts them.
+
+The eval side is small (thousands of texts, a few million 64-bit hashes: megabytes) and the
+corpus side huge, so the eval n-gram hashes are built in the pipeline and broadcast to every
+worker as a side input of sorted ``uint64`` arrays; each document is checked locally with a
+binary search. A shuffle join would move every n-gram of the corpus (about one record per
+word) across the network to save broadcasting a few megabytes.
+
+    python -m pipelines.decontaminate --input out/exact_dedup --output out/decontaminate \\
+        --eval_set 'data/eval/*.jsonl.gz' [--config '{"ngram": 13, "min_overlap": 1}']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam import pvalue
+
+from pipelines.beam_io import DEAD as READ_DEAD
+from pipelines.beam_io import RECORDS, ReadRecords
+from pipelines.documents import Document, InvalidRecord, dead_letter, validate_document
+from pipelines.stage import (
+    StageError,
+    StageOutputs,
+    StageRun,
+    config_from_args,
+    run_stage,
+    stage_argument_parser,
+)
+from pipelines.text import ngram_hashes, token_hashes, words
+
+STAGE = "decontaminate"
+DEAD = "dead_letter"
+STATS = "stats"
+INVALID = "invalid"
+
+# ((eval set, n-gram length), sorted unique uint64 hashes)
+EvalIndex = Mapping[tuple[str, int], np.ndarray]
+
+
+@dataclass(frozen=True)
+class DecontaminateConfig:
+    eval_sets: tuple[str, ...] = ()  # paths/globs; --eval_set flags are appended
+    ngram: int = 13
+    min_overlap: int = 1  # distinct shared n-grams with one eval set that make a match
+    min_short_words: int = 8  # shorter eval texts are skipped; up to ngram-1 used whole
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eval_sets, str) or not all(isinstance(p, str) for p in self.eval_sets):
+            raise ValueError("eval_sets must be a list of paths or globs")
+        object.__setattr__(self, "eval_sets", tuple(self.eval_sets))
+        for name in ("ngram", "min_overlap", "min_short_words"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+
+
+# --- the eval side ----------------------------------------------------------------------------
+
+
+def eval_set_name(doc: Document) -> str:
+    return doc["source"] or "unknown"
+
+
+def eval_ngrams(item: tuple[str, Any], config: DecontaminateConfig) -> Iterator[Any]:
+    """One eval record -> ((set, n), hash) for each of its n-grams, plus per-set stats."""
+    _, obj = item
+    try:
+        doc = validate_document(obj)
+    except InvalidRecord:
+        yield pvalue.TaggedOutput(INVALID, 1)
+        return
+    name = eval_set_name(doc)
+    tokens = words(doc["text"])
+    if len(tokens) >= config.ngram:
+        n = config.ngram
+    elif len(tokens) >= config.min_short_words:
+        n = len(tokens)  # the whole short text is one n-gram
+    else:
+        yield pvalue.TaggedOutput(STATS, (name, (1, 1)))
+        return
+    yield pvalue.TaggedOutput(STATS, (name, (1, 0)))
+    for digest in np.unique(ngram_hashes(token_hashes(tokens), n)).tolist():
+        yield ((name, n), digest)
+
+
+def to_sorted_array(item: tuple[Any, Iterable[int]]) -> tuple[tuple[str, int], np.ndarray]:
+    (name, n), digests = item
+    return ((name, int(n)), np.unique(np.fromiter(digests, dtype=np.uint64)))
+
+
+def build_index(eval_docs: Iterable[Document], config: DecontaminateConfig) -> EvalIndex:
+    """The eval index the pipeline broadcasts, built in plain Python (tests, tools)."""
+    grouped: dict[tuple[str, int], list[int]] = {}
+    for doc in eval_docs:
+        for out in eval_ngrams(("", doc), config):
+            if not isinstance(out, pvalue.TaggedOutput):
+                key, digest = out
+                grouped.setdefault(key, []).append(digest)
+    return dict(to_sorted_array(item) for item in sorted(grouped.items()))
+
+
+def _add_pairs(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    texts = skipped = 0
+    for t, s in pairs:
+        texts += t
+        skipped += s
+    return (texts, skipped)
+
+
+# --- the document side ------------------------------------------------------------------------
+
+
+def find_matches(
+    text: str, index: EvalIndex, min_overlap: int
+) -> tuple[dict[str, int], str | None]:
+    """Eval sets sharing >= min_overlap distinct n-grams with ``text`` ({set: count}), and an
+    example shared n-gram (the earliest in the text), or ``({}, None)``."""
+    tokens = words(text)
+    if not tokens:
+        return {}, None
+    hashes = token_hashes(tokens)
+    counts: dict[str, int] = {}
+    example: tuple[int, int] | None = None  # (position, n) of the earliest match
+    for n in sorted({n for _, n in index}):
+        grams = ngram_hashes(hashes, n)
+        if not len(grams):
+            continue
+        for (name, size), table in sorted(index.items()):
+            if size != n or not len(table):
+                continue
+            slots = np.minimum(np.searchsorted(table, grams), len(table) - 1)
+            hit = table[slots] == grams
+            if not hit.any():
+                continue
+            counts[name] = counts.get(name, 0) + len(np.unique(grams[hit]))
+            first = int(np.argmax(hit))
+            if example is None or (first, n) < example:
+                example = (first, n)
+    matched = {name: c for name, c in sorted(counts.items()) if c >= min_overlap}
+    if not matched or example is None:
+        return {}, None
+    position, n = example
+    return matched, " ".join(tokens[position : position + n])
+
+
+def check_document(doc: Document, index: EvalIndex, config: DecontaminateConfig) -> Iterator[Any]:
+    try:
+        matched, example = find_matches(doc["text"], index, config.min_overlap)
+    except Exception as err:  # one bad record must never take the pipeline down
+        origin = str(doc.get("id", "")) if isinstance(doc, dict) else ""
+        yield pvalue.TaggedOutput(
+            DEAD,
+            dead_letter("processing_error", STAGE, origin, doc, f"{type(err).__name__}: {err}"),
+        )
+        return
+    if not matched:
+        yield doc
+        return
+    yield pvalue.TaggedOutput(
+        DEAD,
+        dead_letter(
+            "contamination",
+            STAGE,
+            doc["id"],
+            doc,
+            f"shares {config.ngram}-grams with {', '.join(matched)}",
+            eval_sets=sorted(matched),
+            matching_ngrams=matched,
+            example_ngram=example,
+        ),
+    )
+
+
+# --- the stage --------------------------------------------------------------------------------
+
+
+def _extra(
+    _: Any,
+    contaminated: Mapping[str, int],
+    stats: Mapping[str, tuple[int, int]],
+    index: EvalIndex,
+    invalid: int,
+) -> dict[str, Any]:
+    ngrams: dict[str, int] = {}
+    for (name, _n), table in index.items():
+        ngrams[name] = ngrams.get(name, 0) + len(table)
+    names = sorted(set(stats) | set(contaminated))
+    return {
+        "contamination_by_eval_set": {name: contaminated.get(name, 0) for name in names},
+        "eval_sets": {
+            name: {
+                "texts": stats.get(name, (0, 0))[0],
+                "short_texts_skipped": stats.get(name, (0, 0))[1],
+                "ngrams": ngrams.get(name, 0),
+            }
+            for name in names
+        },
+        "eval_records_invalid": invalid,
+    }
+
+
+def build(docs: beam.PCollection, config: DecontaminateConfig) -> StageOutputs:
+    if not config.eval_sets:
+        raise StageError(f"{STAGE}: at least one eval set is required (--eval_set PATH)")
+    pipeline = docs.pipeline
+    read = pipeline | "ReadEvalSets" >> ReadRecords(list(config.eval_sets))
+    grams = read[RECORDS] | "EvalNgrams" >> beam.FlatMap(eval_ngrams, config).with_outputs(
+        STATS, INVALID, main="grams"
+    )
+    index = (
+        grams["grams"]
+        | "GroupEvalNgrams" >> beam.GroupByKey()
+        | "SortedArrays" >> beam.Map(to_sorted_array)
+    )
+    checked = docs | "Check" >> beam.FlatMap(
+        check_document, beam.pvalue.AsDict(index), config
+    ).with_outputs(DEAD, main="kept")
+    contaminated = (
+        checked[DEAD]
+        | "MatchedSets" >> beam.FlatMap(lambda letter: letter.get("eval_sets", []))
+        | "CountPerSet" >> beam.combiners.Count.PerElement()
+    )
+    stats = grams[STATS] | "EvalStats" >> beam.CombinePerKey(_add_pairs)
+    invalid = (
+        (grams[INVALID], read[READ_DEAD] | "UnreadableEval" >> beam.Map(lambda _: 1))
+        | "AllInvalidEval" >> beam.Flatten()
+        | "CountInvalidEval" >> beam.CombineGlobally(sum)
+    )
+    extra = (
+        pipeline
+        | "ExtraOnce" >> beam.Create([None])
+        | "Extra"
+        >> beam.Map(
+            _extra,
+            beam.pvalue.AsDict(contaminated),
+            beam.pvalue.AsDict(stats),
+            beam.pvalue.AsDict(index),
+            beam.pvalue.AsSingleton(invalid),
+        )
+    )
+    return StageOutputs(checked["kept"], checked[DEAD], extra)
+
+
+def main(argv: Sequence[str] | None = None) -> StageRun:
+    """The shared stage CLI plus ``--eval_set`` (repeatable), appended to ``eval_sets``."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = stage_argument_parser(__doc__ or STAGE)
+    parser.add_argument(
+        "--eval_set",
+        action="append",
+        default=[],
+        help="eval set documents: JSONL(.gz) file, glob or stage output; repeatable",
+    )
+    args, beam_args = parser.parse_known_args(argv)
+    try:
+        config = config_from_args(DecontaminateConfig, args.config)
+        config = dataclasses.replace(config, eval_sets=(*config.eval_sets, *args.eval_set))
+        run = run_stage(
+            STAGE,
+            build,
+            config,
+            args.input,
+            args.output,
+            num_shards=args.num_shards,
+            beam_args=beam_args,
+        )
+    except (StageError, FileNotFoundError) as err:
+        parser.exit(2, f"{STAGE}: error: {err}\n")
+    print(run.manifest.to_json(), end="")
+    return run
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""Stage 2, quality filter: Gopher (MassiveText) and C4 heuristic rules, scored then thresholded.
+
+Every document gets its raw rule scores in ``metadata["quality"]`` whether it is kept or not,
+so a different set of thresholds can be re-applied later with ``apply_thresholds`` without
+re-reading or re-scoring the text. A document that fails a rule is dropped with reason
+``quality:<first failed rule>`` (rules are checked in the fixed order of ``RULES``) and every
+failed rule listed under ``failed_rules`` in its dead letter.
+
+Thresholds default to the papers' values (Rae et al. 2021, "Scaling Language Models", appendix
+A; Raffel et al. 2020, C4) and can be overridden globally and per source:
+
+    python -m pipelines.quality --input out/ingest --output out/quality --config '{
+        "thresholds": {"min_words": 40},
+        "sources": {"python-stdlib": {"enabled": false}, "fortunes": {"min_words": 3}}}'
+
+Scoring is linear in the text (plus an n log n sort for the n-gram statistics), so a
+multi-megabyte document costs seconds, never minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam import pvalue
+
+from pipelines.documents import Document, dead_letter
+from pipelines.stage import StageOutputs, StageRun, stage_main
+from pipelines.text import line_spans, ngram_hashes, paragraph_spans, token_hashes, words
+
+STAGE = "quality"
+DEAD = "dead_letter"
+
+# Gopher's stop words: real prose uses them, boilerplate and word salad rarely do.
+STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
+BULLETS = ("•", "-", "*", "‣", "◦", "⁃", "·", "–", "—", "▪", "●", "○", "■", "□", "➢", "→")
+ELLIPSES = ("...", "…")
+# C4 keeps lines that end in terminal punctuation (a closing quote counts).
+TERMINAL_PUNCTUATION = (".", "!", "?", '"', "”", "'", "’")
+# C4 drops lines mentioning javascript and cookie/privacy-policy boilerplate.
+BOILERPLATE_MARKERS = (
+    "javascript",
+    "cookie policy",
+    "privacy policy",
+    "terms of use",
+    "uses cookies",
+    "use of cookies",
+    "use cookies",
+    "accept cookies",
+)
+TOP_NGRAM_SIZES = (2, 3, 4)
+DUPLICATE_NGRAM_SIZES = (5, 6, 7, 8, 9, 10)
+
+_ALPHA = re.compile(r"[^\W\d_]")  # a letter in any script
+_NOT_SYMBOL = re.compile(r"[\w]")  # a token with no letter/digit is a "symbol" token
+_LOREM = re.compile(r"lorem\s+ipsum", re.IGNORECASE)
+SCORE_DIGITS = 6
+
+
+# --- thresholds -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QualityThresholds:
+    """One set of rule thresholds; ``None`` switches a rule off, ``enabled=False`` all of them."""
+
+    enabled: bool = True
+    # Gopher quality filters.
+    min_words: int | None = 50
+    max_words: int | None = 100_000
+    min_mean_word_length: float | None = 3.0
+    max_mean_word_length: float | None = 10.0
+    max_hash_word_ratio: float | None = 0.1
+    max_ellipsis_word_ratio: float | None = 0.1
+    max_bullet_line_fraction: float | None = 0.9
+    max_ellipsis_line_fraction: float | None = 0.3
+    min_alpha_word_fraction: float | None = 0.8
+    min_stop_words: int | None = 2
+    # C4 filters. C4 removes lines without terminal punctuation; at document level we follow
+    # FineWeb's 0.12 floor on the fraction of lines that end in it.
+    min_terminal_punctuation_line_fraction: float | None = 0.12
+    max_lorem_ipsum: int | None = 0
+    max_boilerplate_line_fraction: float | None = 0.2
+    max_curly_brackets: int | None = None  # C4 drops any "{"; off: code sources are wanted
+    # Gopher repetition filters.
+    max_duplicate_line_fraction: float | None = 0.30
+    max_duplicate_paragraph_fraction: float | None = 0.30
+    max_duplicate_line_char_fraction: float | None = 0.20
+    max_duplicate_paragraph_char_fraction: float | None = 0.20
+    max_top_2gram_char_fraction: float | None = 0.20
+    max_top_3gram_char_fraction: float | None = 0.18
+    max_top_4gram_char_fraction: float | None = 0.16
+    max_duplicate_5gram_char_fraction: float | None = 0.15
+    max_duplicate_6gram_char_fraction: float | None = 0.14
+    max_duplicate_7gram_char_fraction: float | None = 0.13
+    max_duplicate_8gram_char_fraction: float | None = 0.12
+    max_duplicate_9gram_char_fraction: float | None = 0.11
+    max_duplicate_10gram_char_fraction: float | None = 0.10
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "enabled":
+                if not isinstance(value, bool):
+                    raise ValueError(f"enabled must be true or false, not {value!r}")
+            elif value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+            ):
+                raise ValueError(f"{f.name} must be a number >= 0 or null, not {value!r}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A threshold field of ``QualityThresholds`` checked against one score."""
+
+    name: str  # the threshold field, and the rule name in drop reasons
+    score: str  # the key in ``metadata["quality"]``
+
+    @property
+    def is_min(self) -> bool:
+        return self.name.startswith("min_")
+
+
+# The order is the order rules are checked in: the first failure names the drop reason.
+RULES: tuple[Rule, ...] = (
+    Rule("min_words", "word_count"),
+    Rule("max_words", "word_count"),
+    Rule("min_mean_word_length", "mean_word_length"),
+    Rule("max_mean_word_length", "mean_word_length"),
+    Rule("max_hash_word_ratio", "hash_word_ratio"),
+    Rule("max_ellipsis_word_ratio", "ellipsis_word_ratio"),
+    Rule("max_bullet_line_fraction", "bullet_line_fraction"),
+    Rule("max_ellipsis_line_fraction", "ellipsis_line_fraction"),
+    Rule("min_alpha_word_fraction", "alpha_word_fraction"),
+    Rule("min_stop_words", "stop_words"),
+    Rule("min_terminal_punctuation_line_fraction", "terminal_punctuation_line_fraction"),
+    Rule("max_lorem_ipsum", "lorem_ipsum"),
+    Rule("max_boilerplate_line_fraction", "boilerplate_line_fraction"),
+    Rule("max_curly_brackets", "curly_brackets"),
+    Rule("max_duplicate_line_fraction", "duplicate_line_fraction"),
+    Rule("max_duplicate_paragraph_fraction", "duplicate_paragraph_fraction"),
+    Rule("max_duplicate_line_char_fraction", "duplicate_line_char_fraction"),
+    Rule("max_duplicate_paragraph_char_fraction", "duplicate_paragraph_char_fraction"),
+    *(
+        Rule(f"max_top_{n}gram_char_fraction", f"top_{n}gram_char_fraction")
+        for n in TOP_NGRAM_SIZES
+    ),
+    *(
+        Rule(f"max_duplicate_{n}gram_char_fraction", f"duplicate_{n}gram_char_fraction")
+        for n in DUPLICATE_NGRAM_SIZES
+    ),
+)
+
+
+def apply_thresholds(scores: Mapping[str, float], thresholds: QualityThresholds) -> list[str]:
+    """Names of the rules ``scores`` fail, in ``RULES`` order; empty means the document passes.
+
+    Pure: used by the stage and to re-apply other thresholds to stored ``metadata["quality"]``.
+    A missing score fails its rule (it cannot be shown to pass).
+    """
+    if not thresholds.enabled:
+        return []
+    failed = []
+    for rule in RULES:
+        limit = getattr(thresholds, rule.name)
+        if limit is None:
+            continue
+        score = scores.get(rule.score)
+        if score is None or (score < limit if rule.is_min else score > limit):
+            failed.append(rule.name)
+    return failed
+
+
+def thresholds_from_mapping(values: Mapping[str, Any], where: str) -> QualityThresholds:
+    return _replace_thresholds(QualityThresholds(), values, where)
+
+
+def _replace_thresholds(base: QualityThresholds, values: Any, where: str) -> QualityThresholds:
+    if isinstance(values, QualityThresholds):
+        return values
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{where} must be an object of thresholds, not {values!r}")
+    known = {f.name for f in dataclasses.fields(QualityThresholds)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown threshold(s) in {where}: {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+    return dataclasses.replace(base, **values)
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """Default thresholds plus per-source overrides (only the fields an override names change).
+
+    ``sources`` maps a document ``source`` to a partial mapping of ``QualityThresholds`` fields,
+    kept as given so the manifest records exactly what was asked for.
+    """
+
+    thresholds: QualityThresholds = field(default_factory=QualityThresholds)
+    sources: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        base = _replace_thresholds(QualityThresholds(), self.thresholds, "thresholds")
+        object.__setattr__(self, "thresholds", base)
+        if not isinstance(self.sources, Mapping):
+            raise ValueError("sources must map source names to threshold objects")
+        sources = {}
+        for name in sorted(self.sources):
+            overrides = self.sources[name]
+            if isinstance(overrides, QualityThresholds):
+                overrides = dataclasses.asdict(overrides)
+            _replace_thresholds(base, overrides, f"sources[{name!r}]")  # validates
+            sources[str(name)] = dict(overrides)
+        object.__setattr__(self, "sources", sources)
+
+    def resolved(self) -> dict[str, QualityThresholds]:
+        """Each overridden source's full thresholds."""
+        return {
+            name: _replace_thresholds(self.thresholds, overrides, name)
+            for name, overrides in self.sources.items()
+        }
+
+
+# --- scoring ----------------------------------------------------------------------------------
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def _duplicate_fractions(text: str, spans: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """Gopher's duplicate fractions: elements that repeat an earlier one, by count and by chars."""
+    seen: set[str] = set()
+    duplicates = duplicate_chars = 0
+    for start, end in spans:
+        piece = text[start:end]
+        if piece in seen:
+            duplicates += 1
+            duplicate_chars += end - start
+        else:
+            seen.add(piece)
+    return _ratio(duplicates, len(spans)), _ratio(duplicate_chars, len(text))
+
+
+def _ngram_groups(grams: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group equal n-gram hashes with one sort: (order, group starts in it, group sizes)."""
+    order = np.argsort(grams)
+    ordered = grams[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    sizes = np.diff(np.append(starts, len(grams)))
+    return order, starts, sizes
+
+
+def _top_ngram_char_fraction(hashes: np.ndarray, ends: np.ndarray, n: int, total: int) -> float:
+    """Characters covered by the most frequent n-gram, as a fraction of all word characters.
+
+    Ties between equally frequent n-grams go to the longest one. Occurrences may overlap
+    (``a a a``), so the raw product can exceed the text; it is capped at 1.
+    """
+    grams = ngram_hashes(hashes, n)
+    if not len(grams) or not total:
+        return 0.0
+    order, _, sizes = _ngram_groups(grams)
+    top = int(sizes.max())
+    if top < 2:
+        return 0.0
+    char_lengths = ends[n:] - ends[:-n]  # characters of the n-gram starting at each position
+    in_top_group = np.repeat(sizes == top, sizes)  # aligned with ``order``
+    longest = int(char_lengths[order[in_top_group]].max())
+    return min(1.0, top * longest / total)
+
+
+def _duplicate_ngram_char_fraction(
+    hashes: np.ndarray, lengths: np.ndarray, n: int, total: int
+) -> float:
+    """Characters of words inside a repeated occurrence of some n-gram (each counted once).
+
+    The first occurrence of an n-gram is not a repeat; every later one is (as in Gopher and
+    datatrove), and a word covered by several repeats counts once.
+    """
+    grams = ngram_hashes(hashes, n)
+    if not len(grams) or not total:
+        return 0.0
+    order, starts, _ = _ngram_groups(grams)
+    positions = np.arange(len(hashes))
+    # The latest repeat starting at or before each word (-n: none yet); the word is covered
+    # when that repeat, n words long, reaches it.
+    latest = np.full(len(hashes), -n, dtype=np.int64)
+    latest[: len(grams)] = positions[: len(grams)]
+    latest[np.minimum.reduceat(order, starts)] = -n  # first occurrences are not repeats
+    np.maximum.accumulate(latest, out=latest)
+    covered = latest > positions - n
+    return float(lengths[covered].sum()) / total
+
+
+def repetition_scores(tokens: Sequence[str]) -> dict[str, float]:
+    """Gopher's n-gram repetition scores over word tokens (``pipelines.text.words``)."""
+    hashes = token_hashes(tokens)
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    ends = np.concatenate(([0], np.cumsum(lengths)))
+    total = int(ends[-1])
+    scores = {
+        f"top_{n}gram_char_fraction": _top_ngram_char_fraction(hashes, ends, n, total)
+        for n in TOP_NGRAM_SIZES
+    }
+    for n in DUPLICATE_NGRAM_SIZES:
+        scores[f"duplicate_{n}gram_char_fraction"] = _duplicate_ngram_char_fraction(
+            hashes, lengths, n, total
+        )
+    return scores
+
+
+def _word_scores(text: str) -> dict[str, float]:
+    """Gopher's word statistics over whitespace tokens (punctuation attached, as in the paper).
+
+    Per-token checks run once per distinct token (``Counter`` does the counting in C), which
+    keeps multi-megabyte documents fast.
+    """
+    tokens = Counter(text.split())
+    word_count = word_chars = alpha = stop_words = 0
+    for token, count in tokens.items():
+        if _NOT_SYMBOL.search(token):
+            word_count += count
+            word_chars += count * len(token)
+        if _ALPHA.search(token):
+            alpha += count
+        # ``words`` never spans whitespace, so counting per token equals counting the text.
+        stop_words += count * sum(1 for w in words(token) if w in STOP_WORDS)
+    ellipses = sum(text.count(e) for e in ELLIPSES)
+    return {
+        "word_count": word_count,
+        "mean_word_length": _ratio(word_chars, word_count),
+        "hash_word_ratio": _ratio(text.count("#"), word_count),
+        "ellipsis_word_ratio": _ratio(ellipses, word_count),
+        "alpha_word_fraction": _ratio(alpha, tokens.total()),
+        "stop_words": stop_words,
+    }
+
+
+def _line_scores(text: str, lines: Sequence[str]) -> dict[str, float]:
+    """Per-line statistics over non-blank lines (blank lines only separate paragraphs)."""
+    count = len(lines)
+    bullets = sum(1 for line in lines if line.startswith(BULLETS))
+    ellipsis = sum(1 for line in lines if line.endswith(ELLIPSES))
+    terminal = sum(1 for line in lines if line.endswith(TERMINAL_PUNCTUATION))
+    boilerplate = 0
+    for line in lines:
+        lowered = line.lower()
+        if any(marker in lowered for marker in BOILERPLATE_MARKERS):
+            boilerplate += 1
+    return {
+        "bullet_line_fraction": _ratio(bullets, count),
+        "ellipsis_line_fraction": _ratio(ellipsis, count),
+        "terminal_punctuation_line_fraction": _ratio(terminal, count),
+        "boilerplate_line_fraction": _ratio(boilerplate, count),
+        "lorem_ipsum": len(_LOREM.findall(text)),
+        "curly_brackets": text.count("{"),
+    }
+
+
+def score_text(text: str) -> dict[str, float]:
+    """Every rule's raw score for one text, rounded so stored scores re-apply exactly."""
+    spans = line_spans(text)
+    lines = [text[start:end] for start, end in spans]
+    paragraphs = paragraph_spans(text, spans)
+    dup_lines, dup_line_chars = _duplicate_fractions(text, spans)
+    dup_paragraphs, dup_paragraph_chars = _duplicate_fractions(text, paragraphs)
+    word_tokens = words(text)
+    scores: dict[str, float] = {
+        **_word_scores(text),
+        **_line_scores(text, lines),
+        "duplicate_line_fraction": dup_lines,
+        "duplicate_line_char_fraction": dup_line_chars,
+        "duplicate_paragraph_fraction": dup_paragraphs,
+        "duplicate_paragraph_char_fraction": dup_paragraph_chars,
+        **repetition_scores(word_tokens),
+    }
+    return {
+        key: value if isinstance(value, int) else round(float(value), SCORE_DIGITS)
+        for key, value in sorted(scores.items())
+    }
+
+
+# --- the stage --------------------------------------------------------------------------------
+
+
+def filter_document(
+    doc: Document,
+    defaults: QualityThresholds,
+    by_source: Mapping[str, QualityThresholds],
+) -> Iterator[Any]:
+    """Score one document; yield it (scores attached) or a dead letter. Never raises."""
+    try:
+        yield from _filter_document(doc, defaults, by_source)
+    except Exception as err:  # one bad record must never take the pipeline down
+        yield pvalue.TaggedOutput(
+            DEAD,
+            dead_letter(
+                "processing_error",
+                STAGE,
+                str(doc.get("id", "")) if isinstance(doc, dict) else "",
+                doc,
+                f"{type(err).__name__}: {err}",
+            ),
+        )
+
+
+def _filter_document(
+    doc: Document,
+    defaults: QualityThresholds,
+    by_source: Mapping[str, QualityThresholds],
+) -> Iterator[Any]:
+    scores = score_text(doc["text"])
+    scored = {**doc, "metadata": {**doc["metadata"], "quality": scores}}
+    failed = apply_thresholds(scores, by_source.get(doc["source"], defaults))
+    if not failed:
+        yield scored
+        return
+    yield pvalue.TaggedOutput(
+        DEAD,
+        dead_letter(
+            f"quality:{failed[0]}",
+            STAGE,
+            doc["id"],
+            scored,
+            f"failed {', '.join(failed)}",
+            failed_rules=failed,
+        ),
+    )
+
+
+def build(docs: beam.PCollection, config: QualityConfig) -> StageOutputs:
+    filtered = docs | "Score" >> beam.FlatMap(
+        filter_document, config.thresholds, config.resolved()
+    ).with_outputs(DEAD, main="kept")
+    return StageOutputs(filtered["kept"], filtered[DEAD])
+
+
+def main(argv: Sequence[str] | None = None) -> StageRun:
+    return stage_main(STAGE, __doc__ or STAGE, QualityConfig, build, argv)
+
+
+if __name__ == "__main__":
+    main()

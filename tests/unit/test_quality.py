@@ -1,0 +1,203 @@
+"""Quality rules on their own: scores, thresholds, per-source config, and linear-time scoring."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pipelines.quality import (
+    RULES,
+    QualityConfig,
+    QualityThresholds,
+    apply_thresholds,
+    filter_document,
+    score_text,
+)
+from pipelines.stage import StageError, config_from_mapping
+
+ENGLISH = (
+    "The history of the river valley is closely tied to the farmers who settled there in the"
+    " early years of the century. They cleared the land, built small houses with timber from"
+    " the nearby hills, and planted wheat and barley along the banks. Over time the villages"
+    " grew into market towns, and the roads that connected them carried goods to the coast."
+    " Many of the old stone bridges still stand today, and visitors come to see them in the"
+    " summer months when the water is low. Local historians have collected letters, diaries"
+    " and photographs from those years, and the small museum near the church shows how people"
+    " lived, worked and traded with each other before the railway arrived."
+)
+
+
+def failures(text: str, **overrides: object) -> list[str]:
+    return apply_thresholds(score_text(text), QualityThresholds(**overrides))
+
+
+def test_normal_english_paragraph_passes():
+    assert len(ENGLISH.split()) >= 100
+    assert failures(ENGLISH) == []
+
+
+def test_lorem_ipsum_fails():
+    text = ENGLISH + "\n\nLorem ipsum dolor sit amet, consectetur adipiscing elit."
+    assert failures(text) == ["max_lorem_ipsum"]
+
+
+def test_short_text_fails_min_words_first():
+    failed = failures("Hello there.")
+    assert failed[0] == "min_words"
+
+
+def test_word_salad_without_stop_words_fails():
+    salad = " ".join(f"alpha{i} beta{i} gamma{i}." for i in range(40))
+    assert "min_stop_words" in failures(salad)
+
+
+def test_bullet_lists_fail_bullet_rule():
+    text = "\n".join(f"- item number {i} with some words" for i in range(30))
+    failed = failures(text)
+    assert failed[0] == "max_bullet_line_fraction"
+    assert "min_terminal_punctuation_line_fraction" in failed
+
+
+def test_ellipsis_heavy_text_fails():
+    text = ENGLISH + "\n" + "\n".join(f"the story goes on {i}..." for i in range(30))
+    failed = failures(text)
+    assert "max_ellipsis_line_fraction" in failed
+    assert "max_ellipsis_word_ratio" in failed
+
+
+def test_hash_tags_fail_symbol_ratio():
+    text = ENGLISH + " " + " ".join(f"#tag{i}" for i in range(40))
+    assert "max_hash_word_ratio" in failures(text)
+
+
+def test_cookie_and_javascript_boilerplate_fails():
+    lines = [
+        "This site uses cookies to improve your experience.",
+        "Please enable JavaScript in your browser to view this page.",
+        "Read our privacy policy and cookie policy for details.",
+        "The museum opens at nine on weekdays and at ten on weekends.",
+    ]
+    text = "\n".join(lines * 5) + "\n\n" + ENGLISH
+    assert "max_boilerplate_line_fraction" in failures(text, max_duplicate_line_fraction=None)
+
+
+def test_repetition_rules_catch_repeated_content():
+    sentence = "Buy the best cheap watches and get free shipping on all of the orders today."
+    text = " ".join([sentence] * 30)
+    failed = failures(text)
+    assert "max_top_3gram_char_fraction" in failed
+    assert "max_duplicate_10gram_char_fraction" in failed
+    # The same sentence repeated on its own lines also trips the duplicate-line rules.
+    failed_lines = failures("\n".join([sentence] * 30))
+    assert {"max_duplicate_line_fraction", "max_duplicate_line_char_fraction"} <= set(failed_lines)
+
+
+def test_duplicate_paragraphs_are_scored():
+    scores = score_text(
+        "\n\n".join(["First paragraph here.", "Second one.", "First paragraph here."])
+    )
+    assert scores["duplicate_paragraph_fraction"] == pytest.approx(1 / 3, abs=1e-6)
+    assert 0 < scores["duplicate_paragraph_char_fraction"] < 1
+
+
+def test_non_alphabetic_text_fails_alpha_rule():
+    text = " ".join(f"{i} {i * 7} ++ {i}.{i}" for i in range(60)) + " the and of to"
+    assert "min_alpha_word_fraction" in failures(text)
+
+
+def test_scores_are_raw_numbers_for_every_rule():
+    scores = score_text(ENGLISH)
+    assert {rule.score for rule in RULES} <= set(scores)
+    assert scores["word_count"] == len(ENGLISH.split())
+    assert 3 < scores["mean_word_length"] < 10
+    assert scores["stop_words"] >= 10
+
+
+def test_empty_text_scores_without_error():
+    scores = score_text("")
+    assert scores["word_count"] == 0
+    assert apply_thresholds(scores, QualityThresholds())[0] == "min_words"
+
+
+def test_disabled_and_switched_off_rules():
+    scores = score_text("x")
+    assert apply_thresholds(scores, QualityThresholds(enabled=False)) == []
+    assert "min_words" not in apply_thresholds(scores, QualityThresholds(min_words=None))
+
+
+def test_reapplying_thresholds_to_stored_scores():
+    scores = score_text(ENGLISH)  # what metadata["quality"] holds
+    assert apply_thresholds(scores, QualityThresholds()) == []
+    assert apply_thresholds(scores, QualityThresholds(min_words=500)) == ["min_words"]
+
+
+def test_per_source_overrides_change_only_named_fields():
+    config = config_from_mapping(
+        QualityConfig,
+        {
+            "thresholds": {"min_words": 40},
+            "sources": {"python-stdlib": {"enabled": False}, "fortunes": {"min_words": 3}},
+        },
+    )
+    resolved = config.resolved()
+    assert config.thresholds.min_words == 40
+    assert resolved["fortunes"].min_words == 3
+    assert resolved["fortunes"].max_words == QualityThresholds().max_words
+    assert resolved["python-stdlib"].enabled is False
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"min_wrds": 3}, "min_wrds"),
+        ({"thresholds": {"max_wordz": 3}}, "max_wordz"),
+        ({"sources": {"fortunes": {"min_wordz": 3}}}, "min_wordz"),
+        ({"sources": {"fortunes": {"min_words": "many"}}}, "min_words"),
+        ({"sources": {"fortunes": 3}}, "fortunes"),
+    ],
+)
+def test_bad_config_names_the_field(values, named):
+    with pytest.raises(StageError, match=named):
+        config_from_mapping(QualityConfig, values)
+
+
+def test_a_record_that_breaks_scoring_becomes_a_processing_error():
+    out = list(
+        filter_document(
+            {"id": "x", "text": None, "source": "web", "metadata": {}}, QualityThresholds(), {}
+        )
+    )
+    assert len(out) == 1
+    assert out[0].value["reason"] == "processing_error"
+    assert out[0].value["origin"] == "x"
+
+
+def _big_text(chars: int) -> str:
+    """Megabytes of prose-like lines: 8-20 words drawn from a real paragraph's vocabulary."""
+    rng = np.random.default_rng(0)
+    vocab = ENGLISH.replace(",", "").replace(".", "").lower().split()
+    words = [vocab[i] for i in rng.integers(0, len(vocab), chars // 5).tolist()]
+    lengths = rng.integers(8, 21, len(words) // 8).tolist()
+    lines, at = [], 0
+    for length in lengths:
+        if at >= len(words):
+            break
+        lines.append(" ".join(words[at : at + length]) + ".")
+        at += length
+    return "\n".join(lines)[:chars]
+
+
+@pytest.mark.parametrize(("shape", "megabytes"), [("prose", 10), ("one_long_token", 20)])
+def test_scoring_a_multi_megabyte_document_is_linear(shape, megabytes):
+    size = megabytes * 1024 * 1024
+    text = _big_text(size) if shape == "prose" else "x" * size
+    assert len(text) == size
+    started = time.monotonic()
+    scores = score_text(text)
+    elapsed = time.monotonic() - started
+    # Seconds in practice; the bound only has to catch quadratic behaviour (hours).
+    assert elapsed < 60, f"scoring {size} chars took {elapsed:.1f}s"
+    print(f"scored {size} chars ({shape}) in {elapsed:.1f}s")
+    assert apply_thresholds(scores, QualityThresholds())[:1] in (["max_words"], ["min_words"])

@@ -1,0 +1,59 @@
+"""Span and n-gram helpers shared by quality, exact dedup and decontamination."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipelines.exact_dedup import remove_spans
+from pipelines.text import line_spans, ngram_hashes, paragraph_spans, token_hashes
+
+
+def pieces(text: str, spans: list[tuple[int, int]]) -> list[str]:
+    return [text[s:e] for s, e in spans]
+
+
+def test_lines_and_paragraphs():
+    text = "  first line\nsecond line  \n\n \t\nthird paragraph\n\n\nlast"
+    assert pieces(text, line_spans(text)) == [
+        "first line",
+        "second line",
+        "third paragraph",
+        "last",
+    ]
+    assert pieces(text, paragraph_spans(text)) == [
+        "first line\nsecond line",
+        "third paragraph",
+        "last",
+    ]
+    assert paragraph_spans("") == [] and line_spans("\n\n") == []
+
+
+def test_paragraph_spans_accept_precomputed_lines():
+    text = "a\nb\n\nc"
+    assert paragraph_spans(text, line_spans(text)) == paragraph_spans(text)
+
+
+def test_remove_spans_rejoins_what_is_left():
+    text = "one two three\n\nfour five six\n\nseven eight nine"
+    spans = paragraph_spans(text)
+    assert remove_spans(text, [spans[1]], "paragraph") == "one two three\n\nseven eight nine"
+    lines = "a b\nc d\ne f"
+    assert remove_spans(lines, [line_spans(lines)[0]], "line") == "c d\ne f"
+
+
+def test_ngram_hashes_are_stable_and_position_free():
+    tokens = ["the", "cat", "sat", "on", "the", "mat", "the", "cat", "sat"]
+    hashes = ngram_hashes(token_hashes(tokens), 3)
+    assert len(hashes) == len(tokens) - 2 and hashes.dtype == np.uint64
+    assert hashes[0] == hashes[6]  # "the cat sat" twice
+    assert len(set(hashes.tolist())) == 6
+    # The same n-gram hashes the same inside any text, in any process (xxh3, no salt).
+    alone = ngram_hashes(token_hashes(["the", "cat", "sat"]), 3)
+    assert alone.tolist() == [hashes[0]]
+    assert ngram_hashes(token_hashes(["a"]), 3).tolist() == []
+
+
+def test_token_hash_is_xxh3():
+    import xxhash
+
+    assert int(token_hashes(["slipway"])[0]) == xxhash.xxh3_64_intdigest(b"slipway")
