@@ -1,0 +1,40 @@
+"""Lineage: an ML-Metadata-like record of every step, whatever its outcome.
+
+Importable without Airflow: the store is plain SQLAlchemy. See docs/steps_and_lineage.md.
+"""
+
+from operators.lineage.schema import ArtifactType, ContextType, EventType, ExecutionState
+from operators.lineage.store import (
+    ArtifactRecord,
+    ExecutionRecord,
+    LineageError,
+    LineageStore,
+    Linked,
+    NotFound,
+    RunGraph,
+    RunSummary,
+    StepNode,
+    TraceNode,
+    default_url,
+)
+from operators.lineage.version import code_version, container_image
+
+__all__ = [
+    "ArtifactRecord",
+    "ArtifactType",
+    "ContextType",
+    "EventType",
+    "ExecutionRecord",
+    "ExecutionState",
+    "LineageError",
+    "LineageStore",
+    "Linked",
+    "NotFound",
+    "RunGraph",
+    "RunSummary",
+    "StepNode",
+    "TraceNode",
+    "code_version",
+    "container_image",
+    "default_url",
+]

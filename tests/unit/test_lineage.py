@@ -1,0 +1,325 @@
+"""The lineage store: round trips, failures, traces, concurrent writers and the CLI."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+
+import pytest
+
+from operators import cli
+from operators.lineage import (
+    ArtifactType,
+    EventType,
+    ExecutionState,
+    LineageStore,
+    NotFound,
+    code_version,
+    default_url,
+)
+from operators.lineage.schema import Association, Attribution, Context
+from operators.steps import Step, StepRunner, output_of
+
+
+@pytest.fixture
+def url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/lineage.db"
+
+
+def _three_step_run(store: LineageStore, run_id: str = "manual__1", fail_train: bool = False):
+    """ingest(raw brown + raw spam) -> tokenize(+ tokenizer) -> train: returns execution ids."""
+    ingest = store.start_execution("ingest", run_id=run_id, pipeline="lm", step_version="a" * 64)
+    store.record_input(ingest, "gs://raw/brown", ArtifactType.DATASET)
+    store.record_input(ingest, "gs://raw/spam", ArtifactType.DATASET)
+    store.record_output(
+        ingest,
+        "gs://b/ingest-aaaaaaaa",
+        ArtifactType.DATASET,
+        counts={"records_in": 510, "records_out": 500, "dropped": {"invalid_input": 10}},
+        content_hash="sha256:1",
+    )
+    store.finish_execution(ingest)
+
+    tokenize = store.start_execution("tokenize", run_id=run_id, pipeline="lm")
+    store.record_input(tokenize, "gs://b/ingest-aaaaaaaa", ArtifactType.DATASET)
+    store.record_input(tokenize, "gs://b/tok-cccc", ArtifactType.TOKENIZER, role="tokenizer")
+    store.record_output(
+        tokenize, "gs://b/tokenize-bbbb", ArtifactType.TOKEN_STORE, counts={"tokens": 9}
+    )
+    store.finish_execution(tokenize)
+
+    train = store.start_execution("train", run_id=run_id, pipeline="lm", properties={"lr": 3e-4})
+    store.record_input(train, "gs://b/tokenize-bbbb", ArtifactType.TOKEN_STORE, role="train_data")
+    if fail_train:
+        try:
+            raise RuntimeError("NaN loss at step 120")
+        except RuntimeError as exc:
+            store.finish_execution(train, ExecutionState.FAILED, error=exc)
+    else:
+        store.record_output(train, "gs://b/train-dddd/ckpt", ArtifactType.CHECKPOINT)
+        store.finish_execution(train, properties={"final_loss": 2.5})
+    return ingest, tokenize, train
+
+
+def test_round_trip_with_failed_execution(url):
+    with LineageStore(url) as store:
+        _, _, train = _three_step_run(store, fail_train=True)
+    # A second store (another process, in effect) reads what the first wrote.
+    with LineageStore(url) as store:
+        failed = store.execution(train)
+        assert failed.state is ExecutionState.FAILED
+        assert failed.error == "RuntimeError: NaN loss at step 120"
+        assert "raise RuntimeError" in failed.traceback
+        assert failed.ended_at is not None and failed.ended_at >= failed.started_at
+        assert failed.properties == {"lr": 3e-4}
+        assert failed.code_version == code_version()
+
+        [run] = store.runs()
+        assert (run.run_id, run.pipeline, run.state) == ("manual__1", "lm", ExecutionState.FAILED)
+        assert run.counts == {"COMPLETE": 2, "FAILED": 1}
+
+        graph = store.run_graph("manual__1")
+        assert [(s.execution.name, s.execution.state) for s in graph.steps] == [
+            ("ingest", ExecutionState.COMPLETE),
+            ("tokenize", ExecutionState.COMPLETE),
+            ("train", ExecutionState.FAILED),
+        ]
+        first = graph.steps[0]
+        assert [link.artifact.uri for link in first.inputs] == ["gs://raw/brown", "gs://raw/spam"]
+        [out] = first.outputs
+        assert out.artifact.counts["records_out"] == 500
+        assert out.artifact.code_version == code_version()  # inherited from its producer
+
+
+def test_contexts_associations_and_attributions(url):
+    with LineageStore(url) as store:
+        ingest, _, _ = _three_step_run(store)
+        with store._read() as session:
+            contexts = {(c.type, c.name) for c in session.query(Context)}
+            assert {
+                ("pipeline", "lm"),
+                ("dag_run", "manual__1"),
+                ("step", "ingest-aaaaaaaa"),
+            } <= contexts
+            assert session.query(Association).filter_by(execution_id=ingest).count() == 3
+            assert session.query(Attribution).count() > 0
+
+
+def test_cached_canceled_and_running_states(url):
+    with LineageStore(url) as store:
+        done = store.start_execution("ingest", run_id="r2")
+        store.finish_execution(done, ExecutionState.CACHED)
+        store.start_execution("train", run_id="r2")
+        assert store.runs()[0].state is ExecutionState.RUNNING
+        assert store.runs()[0].ended_at is None
+        # The all_done closer: a task killed from outside never reported.
+        assert store.cancel_running("r2", "killed from outside") == 1
+        [run] = store.runs()
+        assert run.state is ExecutionState.CANCELED
+        assert run.counts == {"CACHED": 1, "CANCELED": 1}
+        with pytest.raises(ValueError):
+            store.finish_execution(done, ExecutionState.RUNNING)
+
+
+def test_record_artifact_upserts_and_link_is_idempotent(url):
+    with LineageStore(url) as store:
+        first = store.record_artifact("gs://x", "dataset", content_hash="h1")
+        second = store.record_artifact("gs://x", "dataset", counts={"n": 1})
+        assert first == second
+        art = store.artifact("gs://x")
+        assert (art.content_hash, art.counts) == ("h1", {"n": 1})
+        run = store.start_execution("s")
+        store.link(run, "gs://x", EventType.OUTPUT)
+        store.link(run, first, "OUTPUT")
+        made = store.trace("gs://x")
+        assert made.producer.id == run and made.inputs == () and made.raw_inputs() == []
+        with pytest.raises(NotFound):
+            store.link(run, "gs://never-recorded", EventType.INPUT)
+
+
+def test_trace_across_three_steps_to_raw_inputs(url):
+    with LineageStore(url) as store:
+        _three_step_run(store)
+        root = store.trace("gs://b/train-dddd/ckpt")
+    assert root.producer is not None and root.producer.name == "train"
+    [tokens] = root.inputs
+    assert tokens.producer.name == "tokenize"
+    assert [n.artifact.uri for n in tokens.inputs] == ["gs://b/ingest-aaaaaaaa", "gs://b/tok-cccc"]
+    assert tokens.inputs[0].producer.name == "ingest"
+    assert sorted(a.uri for a in root.raw_inputs()) == [
+        "gs://b/tok-cccc",
+        "gs://raw/brown",
+        "gs://raw/spam",
+    ]
+
+
+def test_trace_prefers_the_complete_producer_over_cache_hits(url):
+    with LineageStore(url) as store:
+        _three_step_run(store, run_id="first")
+        # A later run hits the cache for ingest: it links the same output, with no inputs.
+        cached = store.start_execution("ingest", run_id="second", pipeline="lm")
+        store.link(cached, "gs://b/ingest-aaaaaaaa", EventType.OUTPUT)
+        store.finish_execution(cached, ExecutionState.CACHED)
+        node = store.trace("gs://b/ingest-aaaaaaaa")
+    assert node.producer.run_id == "first"
+    assert {a.uri for a in node.raw_inputs()} == {"gs://raw/brown", "gs://raw/spam"}
+
+
+def _writer(url: str, worker: int) -> None:
+    store = LineageStore(url)
+    for i in range(15):
+        run = store.start_execution(f"step{i}", run_id=f"run-{worker}", pipeline="p")
+        store.record_output(run, f"mem://shared/{i}", "dataset")  # same URIs across workers
+        store.finish_execution(run)
+    store.close()
+
+
+def test_several_processes_write_one_sqlite_file(url):
+    # fork: spawn would re-import SQLAlchemy in every child (seconds each on a small machine).
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(url, w)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    with LineageStore(url) as store:
+        runs = store.runs()
+        assert len(runs) == 4
+        assert all(r.counts == {"COMPLETE": 15} for r in runs)
+        with store._read() as session:
+            assert session.query(Context).filter_by(type="pipeline").count() == 1
+
+
+def test_default_url_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLIPWAY_LINEAGE_DB", "postgresql://db/lineage")
+    assert default_url() == "postgresql://db/lineage"
+    monkeypatch.delenv("SLIPWAY_LINEAGE_DB")
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
+    assert default_url() == f"sqlite:///{tmp_path}/lineage.db"
+    monkeypatch.delenv("SLIPWAY_HOME")
+    monkeypatch.chdir(tmp_path)
+    assert default_url() == f"sqlite:///{tmp_path}/out/lineage.db"
+
+
+def test_code_version_override(monkeypatch):
+    code_version.cache_clear()
+    monkeypatch.setenv("SLIPWAY_CODE_VERSION", "abc123")
+    try:
+        assert code_version() == "abc123"
+    finally:
+        code_version.cache_clear()
+
+
+def test_step_runner_and_lineage_together(tmp_path, url):
+    # The shape an operator follows: run the step, record whatever happened.
+    root = str(tmp_path / "out")
+    ingest = Step("ingest", {"inputs": ["gs://raw/brown"]})
+    tokenize = Step("tokenize", {"input": output_of(ingest)})
+
+    def record(store: LineageStore, run_id: str, step: Step, inputs: list[str]) -> str:
+        execution = store.start_execution(step.name, run_id=run_id, step_version=step.version)
+        for uri in inputs:
+            store.record_input(execution, uri, "dataset")
+        result = StepRunner(root).run(step, lambda spec: {"records_out": 1})
+        state = ExecutionState.CACHED if result.outcome == "CACHED" else ExecutionState.COMPLETE
+        store.record_output(execution, result.spec.output_path, "dataset", counts=result.result)
+        store.finish_execution(execution, state, properties={"outcome": str(result.outcome)})
+        return result.spec.output_path
+
+    with LineageStore(url) as store:
+        for run_id in ("run-1", "run-2"):
+            ingested = record(store, run_id, ingest, ["gs://raw/brown"])
+            record(store, run_id, tokenize, [ingested])
+        states = {r.run_id: r.state for r in store.runs()}
+        assert states == {"run-1": ExecutionState.COMPLETE, "run-2": ExecutionState.CACHED}
+        trace = store.trace(str(tmp_path / "out" / tokenize.key))
+        assert [a.uri for a in trace.raw_inputs()] == ["gs://raw/brown"]
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def test_cli_runs_show_trace(url, capsys):
+    with LineageStore(url) as store:
+        _three_step_run(store, run_id="manual__1", fail_train=True)
+        _three_step_run(store, run_id="scheduled__2")
+
+    assert cli.main(["lineage", "runs", "--db", url]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "RUN",
+        "PIPELINE",
+        "STATE",
+        "STARTED",
+        "(UTC)",
+        "ENDED",
+        "(UTC)",
+        "STEPS",
+    ]
+    assert lines[1].startswith("scheduled__2") and "COMPLETE" in lines[1]
+    assert lines[2].startswith("manual__1") and "FAILED" in lines[2]
+    assert "COMPLETE=2 FAILED=1" in lines[2]
+
+    assert cli.main(["lineage", "--db", url, "show", "manual__1"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("run manual__1 (lm) FAILED")
+    assert "├── ingest [aaaaaaaa] COMPLETE" in out
+    assert "│   ├── in  dataset gs://raw/brown" in out
+    assert (
+        "│   └── out dataset gs://b/ingest-aaaaaaaa  (records 510 in, 500 out, 10 dropped)" in out
+    )
+    assert "│   ├── in  tokenizer: tokenizer gs://b/tok-cccc" in out
+    assert "└── train FAILED" in out and "RuntimeError: NaN loss at step 120" in out
+
+    assert cli.main(["lineage", "trace", "gs://b/train-dddd/ckpt", "--db", url]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "checkpoint gs://b/train-dddd/ckpt"
+    assert "└── produced by train COMPLETE" in out
+    assert "dataset gs://raw/brown  [raw input]" in out
+    assert "raw inputs (3):" in out
+    print(out, file=sys.stderr)  # visible with -s: the tree as a person sees it
+
+
+def test_cli_errors_and_default_db(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
+    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
+    assert cli.main(["lineage", "runs"]) == 1
+    assert "no lineage database at" in capsys.readouterr().err
+    assert not (tmp_path / "lineage.db").exists()  # reading never creates a database
+
+    LineageStore(f"sqlite:///{tmp_path}/lineage.db").close()
+    assert cli.main(["lineage", "runs"]) == 0
+    assert capsys.readouterr().out.strip() == "no runs recorded"
+    assert cli.main(["lineage", "show", "nope"]) == 1
+    assert "no run 'nope'" in capsys.readouterr().err
+    assert cli.main(["lineage", "trace", "gs://nope"]) == 1
+    with pytest.raises(SystemExit):
+        cli.main(["lineage"])
+
+
+def test_describe_documents_reads_the_stage_manifest(tmp_path):
+    from operators.lineage.describe import describe_documents
+    from pipelines.manifest import Manifest, ShardInfo
+
+    assert describe_documents(str(tmp_path)) == {}  # unfinished stage: nothing to claim
+
+    def manifest(sha: str) -> Manifest:
+        return Manifest(
+            stage="quality",
+            config={"min_words": 5},
+            inputs=["in"],
+            records_in=10,
+            records_out=7,
+            dropped={"too_short": 3},
+            shards=[ShardInfo("data/part-0.jsonl.gz", 7, 100, sha)],
+            dead_letter_shards=[ShardInfo("dead_letter/part-0.jsonl.gz", 3, 50, "d")],
+        )
+
+    manifest("a").write(str(tmp_path))
+    described = describe_documents(str(tmp_path))
+    assert described["counts"] == {"records_in": 10, "records_out": 7, "dropped": {"too_short": 3}}
+    assert described["config"] == {"min_words": 5}
+    manifest("b").write(str(tmp_path))
+    assert describe_documents(str(tmp_path))["content_hash"] != described["content_hash"]

@@ -1,0 +1,405 @@
+"""The step model: versions, output paths, markers, leases, races and the dry-run plan."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from operators import steps
+from operators.steps import (
+    Action,
+    Lease,
+    Outcome,
+    Status,
+    Step,
+    StepFailedElsewhere,
+    StepRunner,
+    StepSpec,
+    StepWaitTimeout,
+    output_of,
+    output_path,
+    plan,
+    step_version,
+)
+
+
+def _chain(tokenizer_vocab: int = 32000, workers: int = 4) -> tuple[Step, Step, Step]:
+    ingest = Step(
+        "ingest", {"inputs": ["gs://raw/brown"], "shards": 8}, unversioned={"workers": workers}
+    )
+    quality = Step("quality", {"input": output_of(ingest), "min_words": 5})
+    tokenize = Step(
+        "tokenize",
+        {"input": output_of(quality, "data"), "vocab": tokenizer_vocab},
+        unversioned={"runner": "DirectRunner"},
+    )
+    return ingest, quality, tokenize
+
+
+# -- versions --------------------------------------------------------------------------------
+
+
+def test_version_is_stable_sha256_of_canonical_json():
+    a, _, _ = _chain()
+    b = Step("ingest", {"shards": 8, "inputs": ["gs://raw/brown"]})  # other key order
+    assert a.version == b.version == step_version(a)
+    assert len(a.version) == 64 and int(a.version, 16) >= 0
+    # Pinned: a change here silently invalidates every cached output in every bucket.
+    x = Step("x", {"a": 1})
+    assert x.version == "73ffffc0ee282a365a356563e64a4d703347ed97b916fbfa939164712e6d93b0"
+    y = Step("y", {"in": output_of(x, "data"), "f": 0.5})
+    assert y.version == "eacb09a20c30592ab0f21b3586eee3f8fdadb78e6e78a2097940e2f5ae33793a"
+    assert Step("x", {"a": 1}).version != Step("y", {"a": 1}).version
+
+
+def test_versioned_change_propagates_to_every_downstream_step():
+    base = _chain()
+    changed = _chain(tokenizer_vocab=50000)
+    assert [s.version for s in base[:2]] == [s.version for s in changed[:2]]
+    assert base[2].version != changed[2].version
+
+    ingest2 = Step("ingest", {"inputs": ["gs://raw/brown"], "shards": 16})
+    quality2 = Step("quality", {"input": output_of(ingest2), "min_words": 5})
+    tokenize2 = Step("tokenize", {"input": output_of(quality2, "data"), "vocab": 32000})
+    for old, new in zip(base, (ingest2, quality2, tokenize2), strict=True):
+        assert old.version != new.version, old.name
+
+
+def test_unversioned_fields_and_root_do_not_change_versions(tmp_path):
+    base = _chain(workers=4)
+    other = _chain(workers=64)
+    assert [s.version for s in base] == [s.version for s in other]
+    local = steps.resolve(base[2], str(tmp_path))
+    remote = steps.resolve(base[2], "gs://bucket/slipway")
+    assert local.version == remote.version
+    assert local.output_path == str(tmp_path / base[2].key)
+    assert remote.output_path == f"gs://bucket/slipway/{base[2].key}"
+    # Upstream outputs are resolved per root, not baked into the hash.
+    assert remote.config["input"] == f"gs://bucket/slipway/{base[1].key}/data"
+    assert local.upstream == {"quality": str(tmp_path / base[1].key)}
+    assert remote.unversioned == {"runner": "DirectRunner"}
+
+
+def test_explicit_deps_count_and_configs_are_frozen():
+    a = Step("a", {"x": 1})
+    b1 = Step("b", {"y": 1}, deps=[a])
+    b2 = Step("b", {"y": 1})
+    assert b1.version != b2.version
+    config = {"items": [1, 2]}
+    s = Step("s", config)
+    before = s.version
+    config["items"].append(3)
+    assert Step("s", {"items": [1, 2]}).version == before
+    with pytest.raises(TypeError):
+        s.config["items"] = []  # type: ignore[index]
+
+
+def test_bad_configs_fail_at_definition():
+    with pytest.raises(ValueError):
+        Step("bad name!")
+    with pytest.raises(TypeError):
+        Step("s", {"x": {1, 2}})
+    with pytest.raises(ValueError):
+        Step("s", {"x": float("nan")})
+    with pytest.raises(TypeError):
+        Step("s", unversioned={"x": output_of(Step("a"))})
+
+
+def test_output_path_layout(tmp_path):
+    s = Step("tokenized/brown", {"v": 1})
+    assert output_path("gs://b/r/", s) == f"gs://b/r/tokenized/brown-{s.version[: steps.HASH_LEN]}"
+    assert output_path(str(tmp_path), s) == os.path.join(tmp_path, s.key)
+
+
+# -- running -----------------------------------------------------------------------------------
+
+
+def _counting(calls: list[str], value=None, sleep: float = 0.0):
+    def fn(spec: StepSpec):
+        calls.append(spec.name)
+        if sleep:
+            time.sleep(sleep)
+        Path(spec.output_path, "data.txt").write_text(spec.name)
+        return value
+
+    return fn
+
+
+def _marker(root: Path, step: Step) -> dict:
+    return json.loads((root / step.key / steps.STATUS_FILE).read_text())
+
+
+def test_success_is_cached_with_its_result(tmp_path):
+    step = Step("ingest", {"n": 1})
+    calls: list[str] = []
+    runner = StepRunner(str(tmp_path))
+    first = runner.run(step, _counting(calls, {"records_out": 7}))
+    second = StepRunner(str(tmp_path)).run(step, _counting(calls))
+    assert (first.outcome, second.outcome) == (Outcome.RAN, Outcome.CACHED)
+    assert calls == ["ingest"]
+    assert second.result == {"records_out": 7}
+    marker = _marker(tmp_path, step)
+    assert marker["status"] == "SUCCESS" and marker["version"] == step.version
+
+
+def test_failed_step_records_error_and_reruns(tmp_path):
+    step = Step("quality", {"n": 1})
+
+    def boom(spec: StepSpec):
+        raise ValueError("bad shard 3")
+
+    with pytest.raises(ValueError, match="bad shard 3"):
+        StepRunner(str(tmp_path)).run(step, boom)
+    marker = _marker(tmp_path, step)
+    assert marker["status"] == "FAILED"
+    assert marker["error"] == "ValueError: bad shard 3"
+    assert "in boom" in marker["traceback"]
+
+    [entry] = plan([step], str(tmp_path))
+    assert entry.action is Action.RUN and "FAILED: ValueError: bad shard 3" in entry.reason
+
+    calls: list[str] = []
+    result = StepRunner(str(tmp_path)).run(step, _counting(calls))
+    assert result.outcome is Outcome.RAN and calls == ["quality"]
+    assert _marker(tmp_path, step)["status"] == "SUCCESS"
+    assert _marker(tmp_path, step)["generation"] == 1  # a new lease generation
+
+
+def _write_lease(root: Path, step: Step, lease: Lease) -> None:
+    out = root / step.key
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{steps.LEASE_PREFIX}{lease.generation:06d}").write_text(json.dumps(lease.__dict__))
+
+
+def test_live_lease_is_waited_for(tmp_path):
+    step = Step("train", {"steps": 10})
+    calls: list[str] = []
+    started = threading.Event()
+
+    def slow(spec: StepSpec):
+        started.set()
+        time.sleep(0.6)
+        return {"loss": 1.5}
+
+    holder = StepRunner(str(tmp_path), owner="A", lease_seconds=1.0)
+    outcome: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("a", holder.run(step, slow)))
+    thread.start()
+    assert started.wait(5)
+    [entry] = plan([step], str(tmp_path))
+    assert entry.action is Action.WAIT and "RUNNING by A" in entry.reason
+    waiter = StepRunner(str(tmp_path), owner="B", poll_seconds=0.05)
+    result = waiter.run(step, _counting(calls))
+    thread.join()
+    assert result.outcome is Outcome.WAITED and calls == []
+    assert result.result == {"loss": 1.5}
+
+
+def test_heartbeat_keeps_a_long_step_alive(tmp_path):
+    # The step outlives its lease several times over; only the heartbeat keeps it live.
+    step = Step("long", {})
+    runner = StepRunner(str(tmp_path), owner="A", lease_seconds=0.3)
+    seen: list[Action] = []
+
+    def long(spec: StepSpec):
+        for _ in range(5):
+            time.sleep(0.2)
+            seen.append(plan([step], str(tmp_path))[0].action)
+
+    assert runner.run(step, long).outcome is Outcome.RAN
+    assert set(seen) == {Action.WAIT}
+
+
+def test_wait_times_out(tmp_path):
+    step = Step("train", {})
+    _write_lease(tmp_path, step, Lease(0, "elsewhere", time.time() + 60))
+    runner = StepRunner(str(tmp_path), poll_seconds=0.02, wait_timeout=0.1)
+    with pytest.raises(StepWaitTimeout, match="RUNNING by elsewhere"):
+        runner.run(step, _counting([]))
+
+
+def test_waiter_does_not_rerun_a_failure_it_waited_for(tmp_path):
+    step = Step("flaky", {})
+    started = threading.Event()
+
+    def fail(spec: StepSpec):
+        started.set()
+        time.sleep(0.3)
+        raise RuntimeError("oom")
+
+    def hold():
+        with pytest.raises(RuntimeError):
+            StepRunner(str(tmp_path), owner="A").run(step, fail)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert started.wait(5)
+    with pytest.raises(StepFailedElsewhere, match="oom"):
+        StepRunner(str(tmp_path), owner="B", poll_seconds=0.02).run(step, _counting([]))
+    thread.join()
+
+
+def test_stale_lease_is_taken_over(tmp_path):
+    step = Step("tokenize", {})
+    _write_lease(tmp_path, step, Lease(0, "dead-host:123", time.time() - 5))
+    [entry] = plan([step], str(tmp_path))
+    assert entry.action is Action.RUN and "stale lease of dead-host:123" in entry.reason
+    calls: list[str] = []
+    result = StepRunner(str(tmp_path), owner="new").run(step, _counting(calls))
+    assert result.outcome is Outcome.TOOK_OVER and calls == ["tokenize"]
+    assert result.status.generation == 1 and result.status.owner == "new"
+
+
+def test_a_taken_over_runner_does_not_mark_success(tmp_path):
+    step = Step("zombie", {})
+    runner = StepRunner(str(tmp_path), owner="zombie", lease_seconds=30)
+
+    def taken_over(spec: StepSpec):
+        # Another runner decides our lease is stale and creates the next generation.
+        _write_lease(tmp_path, step, Lease(1, "other", time.time() + 30))
+
+    with pytest.raises(steps.LeaseLost):
+        runner.run(step, taken_over)
+    assert _marker(tmp_path, step)["status"] == "RUNNING"  # never SUCCESS from the zombie
+
+
+def _race_worker(root: str, barrier, results) -> None:
+    step = Step("race", {"k": 1})
+
+    def work(spec: StepSpec):
+        # O_EXCL on a file only the winner may create: a second writer would crash here.
+        fd = os.open(os.path.join(spec.output_path, "writer"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        time.sleep(0.3)
+
+    barrier.wait()
+    result = StepRunner(root, poll_seconds=0.02).run(step, work)
+    results.put(str(result.outcome))
+
+
+def test_concurrent_threads_exactly_one_writer(tmp_path):
+    import queue
+
+    barrier = threading.Barrier(8)
+    results: queue.Queue[str] = queue.Queue()
+    threads = [
+        threading.Thread(target=_race_worker, args=(str(tmp_path), barrier, results))
+        for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    outcomes = sorted(results.get_nowait() for _ in range(8))
+    assert outcomes.count("RAN") == 1
+    assert set(outcomes) <= {"RAN", "WAITED", "CACHED"}
+
+
+def test_concurrent_processes_exactly_one_writer(tmp_path):
+    # fork: separate processes, separate file descriptors, no re-import cost of spawn.
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(4)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_race_worker, args=(str(tmp_path), barrier, results)) for _ in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    outcomes = sorted(results.get(timeout=5) for _ in range(4))
+    assert outcomes.count("RAN") == 1, outcomes
+
+
+def test_many_racers_on_a_stale_lease_one_takes_over(tmp_path):
+    step = Step("race", {"k": 1})
+    _write_lease(tmp_path, step, Lease(0, "dead", time.time() - 1))
+    import queue
+
+    barrier = threading.Barrier(6)
+    results: queue.Queue[str] = queue.Queue()
+    threads = [
+        threading.Thread(target=_race_worker, args=(str(tmp_path), barrier, results))
+        for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    outcomes = [results.get_nowait() for _ in range(6)]
+    assert outcomes.count("TOOK_OVER") == 1 and "RAN" not in outcomes, outcomes
+
+
+def test_object_store_path_through_fsspec_memory():
+    # The fsspec code path (gs:// in production) on the in-memory filesystem.
+    root = "memory://slipway-test-steps"
+    step = Step("remote", {"n": 1})
+    calls: list[str] = []
+
+    def fn(spec: StepSpec):
+        calls.append(spec.name)
+        return 3
+
+    runner = StepRunner(root)
+    assert isinstance(runner.store, steps.FsspecStore) and runner.store.atomic_create
+    assert runner.run(step, fn).outcome is Outcome.RAN
+    assert StepRunner(root).run(step, fn).outcome is Outcome.CACHED
+    assert calls == ["remote"]
+    assert not runner.store.create(f"{root}/{step.key}/{steps.LEASE_PREFIX}000000", b"{}")
+
+
+# -- dry run -------------------------------------------------------------------------------------
+
+
+def test_plan_lists_every_step_with_its_reason(tmp_path):
+    ingest, quality, tokenize = _chain()
+    root = str(tmp_path)
+    entries = plan([tokenize], root)
+    assert [e.step.name for e in entries] == ["ingest", "quality", "tokenize"]
+    assert [e.action for e in entries] == [Action.RUN] * 3
+    assert entries[0].reason == "no status marker: never run"
+    assert entries[2].reason.endswith("after upstream quality")
+
+    StepRunner(root).run(ingest, _counting([]))
+    _write_lease(tmp_path, quality, Lease(0, "worker-7", time.time() + 60))
+    entries = plan([tokenize], root)
+    assert [e.action for e in entries] == [Action.SKIP, Action.WAIT, Action.RUN]
+    assert "cache hit" in entries[0].reason
+    assert "RUNNING by worker-7" in entries[1].reason
+    assert entries[2].path == output_path(root, tokenize)
+    text = steps.format_plan(entries)
+    assert "SKIP" in text and tokenize.key in text
+    # A dry run writes nothing.
+    assert not (tmp_path / tokenize.key).exists()
+
+
+def test_corrupt_marker_is_not_a_cache_hit(tmp_path):
+    step = Step("s", {})
+    (tmp_path / step.key).mkdir()
+    (tmp_path / step.key / steps.STATUS_FILE).write_text("{not json")
+    assert plan([step], str(tmp_path))[0].action is Action.RUN
+    assert Status.SUCCESS == "SUCCESS"
+
+
+def test_foundations_import_without_airflow_or_heavy_libraries():
+    import subprocess
+    import sys
+
+    heavy = ("airflow", "jax", "apache_beam", "tensorstore", "fsspec")
+    code = (
+        "import sys, operators.steps, operators.lineage, operators.cli;"
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo
+    )
+    assert done.stdout.strip() == "[]"
