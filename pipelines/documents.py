@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ Document = dict[str, Any]
 DeadLetter = dict[str, Any]
 
 REQUIRED_FIELDS = ("id", "text", "source")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class InvalidRecord(ValueError):
@@ -62,9 +64,17 @@ def decode_line(raw: bytes) -> Any:
     if "\x00" in line:
         raise InvalidRecord("binary_data", "line contains NUL bytes")
     try:
-        return json.loads(line)
+        obj = json.loads(line)
     except json.JSONDecodeError as err:
         raise InvalidRecord("invalid_json", str(err)) from None
+    # A lone surrogate escape ("\ud800") decodes to a str that cannot be encoded again, which
+    # would crash the runner's coder far from here; only lines with such escapes pay the check.
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidRecord("invalid_unicode", f"lone surrogate: {err}") from None
+    return obj
 
 
 def dumps(record: Mapping[str, Any]) -> str:
