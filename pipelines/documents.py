@@ -49,8 +49,10 @@ def validate_document(obj: Any) -> Document:
             raise InvalidRecord(
                 f"non_string_{field}", f"{field!r} is {type(obj[field]).__name__}, not a string"
             )
-    metadata = obj.get("metadata") or {}
-    if not isinstance(metadata, dict):
+    metadata = obj.get("metadata")
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
         raise InvalidRecord("invalid_metadata", "'metadata' must be a JSON object")
     return make_document(obj["id"], obj["text"], obj["source"], metadata)
 
