@@ -1,0 +1,522 @@
+"""Stage 4, fuzzy dedup: MinHash LSH near-duplicate clusters, one canonical document kept each.
+
+    python -m pipelines.fuzzy_dedup --input out/exact_dedup --output out/fuzzy_dedup \\
+        --config '{"threshold": 0.8}' [--runner DataflowRunner ...]
+
+Steps, all distributed (no step gathers all documents or all edges on one worker):
+
+1. **Signatures**: batches of documents -> MinHash signatures of their word 5-gram shingles
+   (``pipelines.minhash``, vectorized), and one LSH bucket key per band.
+2. **Candidates**: documents grouped by bucket; every member is linked to the bucket's head
+   (its smallest node) rather than to every other member, so a bucket of ``m`` documents
+   (boilerplate) costs ``m - 1`` candidate pairs, not ``m^2 / 2``.
+3. **Verification**: a candidate pair becomes an edge only if the Jaccard estimated from the
+   two full signatures reaches ``threshold`` (LSH collisions alone are not evidence).
+4. **Connected components** of the edges by alternating *large-star* / *small-star* rounds
+   (Kiveris et al., "Connected Components in MapReduce and Beyond", SoCC 2014), unrolled to
+   ``max_rounds`` rounds inside the pipeline. Each round is two shuffles of the edge list and
+   converges to one star per component centred on the component's smallest node.
+   Convergence is checked locally at every node (the graph is a union of stars iff every node
+   has either only larger neighbours or exactly one, smaller, neighbour) and counted per round.
+5. **Resolution**: nodes are ordered by (longest text, then smallest id), so the component
+   minimum *is* the canonical document; it is kept, the rest are dead-lettered as
+   ``fuzzy_duplicate`` with ``duplicate_of`` / ``cluster``. Every kept document carries
+   ``metadata["fuzzy_dedup"] = {"cluster": canonical id, "cluster_size": n}``.
+
+Non-convergence (a component still not a star after ``max_rounds``) is recorded in the
+manifest (``cc_converged: false``, ``cc_unconverged_nodes``) and, by default, resolved by a
+safe fallback: each node takes the smallest node of its closed neighbourhood as its cluster.
+Every edge at every round joins two nodes of one true component, so the fallback can only
+split a cluster (keep a few extra near-duplicates), never merge unrelated documents.
+``fail_on_nonconvergence`` makes the stage fail instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam import pvalue
+
+from pipelines.documents import Document, dead_letter, dumps
+from pipelines.minhash import (
+    MinHashParams,
+    band_hashes,
+    estimated_jaccard,
+    lsh_error_areas,
+    make_hasher,
+    optimal_bands,
+    signatures,
+)
+from pipelines.stage import StageOutputs, StageRun, stage_main
+
+log = logging.getLogger(__name__)
+
+STAGE = "fuzzy_dedup"
+REASON = "fuzzy_duplicate"
+DEAD = "dead_letter"
+BANDS = "bands"
+NO_SHINGLES = "no_shingles"
+SIGNATURE_ERRORS = "signature_errors"
+BUCKET_SIZE = "bucket_size"
+UNCONVERGED = "unconverged"
+
+# A node of the similarity graph: (-len(text), id). Tuples order by the longest text first,
+# then the smallest id, so "the smallest node" is the canonical document, deterministically.
+NodeKey = tuple[int, str]
+Edge = tuple[NodeKey, NodeKey]  # always (larger, smaller)
+
+_BUCKET = ">HQ"  # (band index, bucket hash): a 10-byte shuffle key
+
+
+class NonConvergenceError(RuntimeError):
+    """Connected components were not resolved within ``max_rounds``."""
+
+
+@dataclass(frozen=True)
+class FuzzyDedupConfig:
+    threshold: float = 0.8  # estimated Jaccard of shingle sets that makes a pair an edge
+    num_perm: int = 256
+    ngram: int = 5  # words per shingle
+    seed: int = 1
+    bands: int = 0  # 0 with rows=0: derived from num_perm and threshold by optimal_bands
+    rows: int = 0
+    # LSH misses are lost for good while LSH false positives only cost a verification (every
+    # candidate is checked against the full signature), so misses weigh 9x more.
+    false_positive_weight: float = 0.1
+    false_negative_weight: float = 0.9
+    max_rounds: int = 12  # large-star/small-star rounds unrolled in the pipeline
+    fail_on_nonconvergence: bool = False
+    batch_size: int = 256  # documents per vectorized MinHash call
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError("threshold must be in (0, 1)")
+        if self.num_perm < 1 or self.ngram < 1 or self.batch_size < 1 or self.max_rounds < 1:
+            raise ValueError("num_perm, ngram, batch_size and max_rounds must be >= 1")
+        if (self.bands == 0) != (self.rows == 0):
+            raise ValueError("set both bands and rows, or neither (derived)")
+        if self.bands < 0 or self.rows < 0 or self.bands * self.rows > self.num_perm:
+            raise ValueError("need bands * rows <= num_perm")
+        if self.bands > 0xFFFF:
+            raise ValueError("at most 65535 bands")
+        if min(self.false_positive_weight, self.false_negative_weight) < 0:
+            raise ValueError("LSH error weights must be >= 0")
+
+    @property
+    def minhash(self) -> MinHashParams:
+        return MinHashParams(num_perm=self.num_perm, ngram=self.ngram, seed=self.seed)
+
+    def lsh(self) -> tuple[int, int]:
+        """(bands, rows): the configured ones, or the optimum for threshold and num_perm."""
+        if self.bands:
+            return self.bands, self.rows
+        return optimal_bands(
+            self.threshold, self.num_perm, self.false_positive_weight, self.false_negative_weight
+        )
+
+
+def node_key(doc: Document) -> NodeKey:
+    return (-len(doc["text"]), doc["id"])
+
+
+# ---- 1. signatures and band keys ---------------------------------------------------------------
+
+
+class _Signatures(beam.DoFn):
+    """A batch of documents -> (node, signature bytes), and tagged (bucket key, node) per band."""
+
+    def __init__(self, params: MinHashParams, bands: int, rows: int) -> None:
+        self.params = params
+        self.bands = bands
+        self.rows = rows
+
+    def setup(self) -> None:
+        self.hasher = make_hasher(self.params)
+
+    def process(self, batch: Sequence[Document]) -> Iterator[Any]:
+        try:
+            yield from self._signatures(batch)
+        except Exception:  # never lose the batch to one bad document: retry them one by one
+            for doc in batch:
+                try:
+                    yield from self._signatures([doc])
+                except Exception as err:
+                    # Kept, as a singleton: failing to dedup a document must not drop it.
+                    log.warning("%s: no signature for %r: %s", STAGE, doc.get("id"), err)
+                    yield pvalue.TaggedOutput(SIGNATURE_ERRORS, doc.get("id"))
+
+    def _signatures(self, batch: Sequence[Document]) -> Iterator[Any]:
+        sigs, counts = signatures([doc["text"] for doc in batch], self.hasher)
+        keys = band_hashes(sigs, self.bands, self.rows, self.params.seed)
+        for doc, sig, count, row in zip(batch, sigs, counts, keys.tolist(), strict=True):
+            node = node_key(doc)
+            if count == 0:
+                # No words at all: no shingle set to compare, so never anyone's duplicate.
+                yield pvalue.TaggedOutput(NO_SHINGLES, node)
+                continue
+            yield (node, sig.tobytes())
+            for band, bucket in enumerate(row):
+                yield pvalue.TaggedOutput(BANDS, (struct.pack(_BUCKET, band, bucket), node))
+
+
+# ---- 2. and 3. candidates and verification -----------------------------------------------------
+
+
+def link_to_head(item: tuple[bytes, Iterable[NodeKey]]) -> Iterator[Any]:
+    """One bucket -> (member, head) for every member but the head: linear in the bucket size."""
+    _, members = item
+    head = min(members)
+    size = 0
+    for member in members:
+        size += 1
+        if member != head:
+            yield (member, head)
+    if size > 1:
+        yield pvalue.TaggedOutput(BUCKET_SIZE, size)
+
+
+def attach_member_signature(item: tuple[NodeKey, dict[str, Iterable[Any]]]) -> Iterator[Any]:
+    """At a member: its distinct heads (a pair recurs once per shared band) -> (head, (member, sig))."""
+    member, grouped = item
+    heads = sorted(set(grouped["heads"]))
+    if not heads:
+        return
+    sig = min(grouped["sig"])  # several only if two documents share a node key
+    for head in heads:
+        yield (head, (member, sig))
+
+
+def verify_candidates(
+    item: tuple[NodeKey, dict[str, Iterable[Any]]], threshold: float, chunk: int = 4096
+) -> Iterator[Edge]:
+    """At a head: keep the (member, head) edges whose estimated Jaccard reaches the threshold.
+
+    Members are streamed in chunks: the head of a boilerplate bucket may have millions.
+    """
+    head, grouped = item
+    head_sig = None
+    candidates = iter(grouped["candidates"])
+    while block := list(itertools.islice(candidates, chunk)):
+        if head_sig is None:
+            head_sig = np.frombuffer(min(grouped["sig"]), dtype=np.uint32)
+        member_sigs = np.frombuffer(b"".join(sig for _, sig in block), dtype=np.uint32)
+        similarity = estimated_jaccard(member_sigs.reshape(len(block), -1), head_sig)
+        for (member, _), value in zip(block, similarity, strict=True):
+            if value >= threshold:
+                yield (member, head)
+
+
+# ---- 4. connected components: large-star / small-star ------------------------------------------
+
+
+def star_summary(node: NodeKey, neighbors: Iterable[NodeKey]) -> tuple[NodeKey, bool]:
+    """One streaming pass: (smallest node of the closed neighbourhood, locally converged).
+
+    A node is locally converged when it looks like a star centre (only larger neighbours) or a
+    leaf (exactly one neighbour, smaller). When every node is, the graph is a disjoint union of
+    stars centred on their components' minima: a leaf's neighbour has a larger neighbour (the
+    leaf), so it is a centre. Streaming (no set) keeps a hub with millions of leaves cheap.
+    """
+    smallest, first, several = node, None, False
+    for v in neighbors:
+        if first is None:
+            first = v
+        elif v != first:
+            several = True
+        smallest = min(smallest, v)
+    leaf = first is not None and not several and first < node
+    return smallest, smallest == node or leaf
+
+
+def large_star(
+    node: NodeKey, neighbors: Iterable[NodeKey], smallest: NodeKey | None = None
+) -> Iterator[Edge]:
+    """Connect every strictly larger neighbour to the smallest node of the closed neighbourhood."""
+    if smallest is None:
+        smallest, _ = star_summary(node, neighbors)
+    for v in neighbors:
+        if v > node:
+            yield (v, smallest)
+
+
+def small_star(node: NodeKey, smaller: set[NodeKey]) -> Iterator[Edge]:
+    """Connect the node and its smaller neighbours to the smallest of them."""
+    smallest = min(smaller)
+    yield (node, smallest)
+    for v in smaller:
+        if v != smallest:
+            yield (v, smallest)
+
+
+def both_directions(edge: Edge) -> Iterator[tuple[NodeKey, NodeKey]]:
+    yield edge
+    yield (edge[1], edge[0])
+
+
+def _large_star_step(item: tuple[NodeKey, Iterable[NodeKey]], round_index: int) -> Iterator[Any]:
+    node, neighbors = item
+    smallest, converged = star_summary(node, neighbors)
+    if not converged:
+        yield pvalue.TaggedOutput(UNCONVERGED, (round_index, 1))
+    # A repeated neighbour repeats its edge; small-star's set removes the copy.
+    yield from large_star(node, neighbors, smallest)
+
+
+def _small_star_step(item: tuple[NodeKey, Iterable[NodeKey]]) -> Iterator[Edge]:
+    node, smaller = item
+    # Only neighbours smaller than the node arrive here: few, even at a hub (the hub is small).
+    yield from small_star(node, set(smaller))
+
+
+def _label_step(item: tuple[NodeKey, Iterable[NodeKey]], round_index: int) -> Iterator[Any]:
+    """Final labels: the smallest node of the closed neighbourhood (the centre, once converged)."""
+    node, neighbors = item
+    smallest, converged = star_summary(node, neighbors)
+    if not converged:
+        yield pvalue.TaggedOutput(UNCONVERGED, (round_index, 1))
+    yield (smallest, node)
+
+
+class ConnectedComponents(beam.PTransform):
+    """Edges (larger, smaller) -> (root, node) for every node with an edge; + tagged round stats.
+
+    ``unconverged`` holds (round, 1) per node not yet in star shape at the *input* of that
+    round; round ``max_rounds + 1`` is the final labelling.
+    """
+
+    def __init__(self, max_rounds: int) -> None:
+        super().__init__()
+        self.max_rounds = max_rounds
+
+    def expand(self, edges: beam.PCollection) -> dict[str, beam.PCollection]:
+        stats = []
+        for r in range(1, self.max_rounds + 1):
+            large = (
+                edges
+                | f"LargeStarSend{r}" >> beam.FlatMap(both_directions)
+                | f"LargeStarGroup{r}" >> beam.GroupByKey()
+                | f"LargeStar{r}"
+                >> beam.FlatMap(_large_star_step, r).with_outputs(UNCONVERGED, main="edges")
+            )
+            stats.append(large[UNCONVERGED])
+            # Edges are (larger, smaller): keyed by the larger end, exactly what small-star needs.
+            edges = (
+                large["edges"]
+                | f"SmallStarGroup{r}" >> beam.GroupByKey()
+                | f"SmallStar{r}" >> beam.FlatMap(_small_star_step)
+            )
+        labels = (
+            edges
+            | "LabelSend" >> beam.FlatMap(both_directions)
+            | "LabelGroup" >> beam.GroupByKey()
+            | "Label"
+            >> beam.FlatMap(_label_step, self.max_rounds + 1).with_outputs(
+                UNCONVERGED, main="labels"
+            )
+        )
+        stats.append(labels[UNCONVERGED])
+        unconverged = stats | "UnconvergedByRound" >> beam.Flatten()
+        return {"labels": labels["labels"], UNCONVERGED: unconverged}
+
+
+def convergence_summary(
+    counts: Iterable[tuple[int, int]], max_rounds: int, fail: bool
+) -> dict[str, Any]:
+    """Manifest facts from the per-round unconverged-node counts; raises if asked to."""
+    by_round = [count for _, count in sorted(counts)]
+    # by_round[k] counts the nodes not yet in star shape after k rounds.
+    rounds = next((k for k, count in enumerate(by_round) if count == 0), None)
+    converged = by_round[-1] == 0
+    if not converged:
+        message = (
+            f"{STAGE}: connected components did not converge in {max_rounds} rounds"
+            f" ({by_round[-1]} nodes unresolved; unconverged by round {by_round})"
+        )
+        if fail:
+            raise NonConvergenceError(message + "; raise max_rounds")
+        log.warning("%s; falling back to neighbourhood minima (clusters may be split)", message)
+    return {
+        "cc_converged": converged,
+        "cc_max_rounds": max_rounds,
+        "cc_rounds": rounds,
+        "cc_unconverged_by_round": by_round,
+        "cc_unconverged_nodes": by_round[-1],
+    }
+
+
+# ---- 5. resolution ----------------------------------------------------------------------------
+
+
+def cluster_members(item: tuple[NodeKey, Iterable[NodeKey]]) -> Iterator[Any]:
+    """(root, nodes) -> (node, (root, cluster size)) per node; tags the size once per cluster."""
+    root, nodes = item
+    size = sum(1 for _ in nodes)
+    for node in nodes:
+        yield (node, (root, size))
+    yield pvalue.TaggedOutput("cluster_size", size)
+
+
+def _with_cluster(doc: Document, info: dict[str, Any]) -> Document:
+    return {**doc, "metadata": {**doc.get("metadata", {}), STAGE: info}}
+
+
+def resolve(item: tuple[NodeKey, dict[str, Iterable[Any]]]) -> Iterator[Any]:
+    """A node's documents and cluster -> the kept canonical document or dead letters."""
+    node, grouped = item
+    docs = sorted(grouped["docs"], key=dumps)
+    if not docs:
+        return
+    clusters = list(grouped["cluster"])
+    root, size = clusters[0] if clusters else (node, 1)
+    info = {"cluster": root[1], "cluster_size": size}
+    first = _with_cluster(docs[0], info)
+    if root == node:
+        yield first
+    else:
+        yield pvalue.TaggedOutput(
+            DEAD,
+            dead_letter(
+                REASON,
+                STAGE,
+                first["id"],
+                first,
+                f"near-duplicate (MinHash Jaccard) of {root[1]!r} in a cluster of {size}",
+                duplicate_of=root[1],
+                cluster=root[1],
+                cluster_size=size,
+            ),
+        )
+    for doc in docs[1:]:
+        # Same id and same length as another input document: not a question of similarity.
+        yield pvalue.TaggedOutput(
+            DEAD,
+            dead_letter(
+                "duplicate_id",
+                STAGE,
+                doc["id"],
+                _with_cluster(doc, info),
+                "another input document has the same id and length",
+                duplicate_of=first["id"],
+            ),
+        )
+
+
+# ---- the stage ---------------------------------------------------------------------------------
+
+
+def _extra(pcoll: beam.PCollection, name: str, total: str = "count") -> beam.PCollection:
+    """One manifest ``extra`` entry: the count, sum or max of a PCollection (0 if empty)."""
+    combine = {
+        "count": beam.combiners.Count.Globally(),
+        "sum": beam.CombineGlobally(sum),
+        "max": beam.CombineGlobally(_max),
+    }[total]
+    return (
+        pcoll
+        | f"{name}Total" >> combine
+        | f"{name}Extra" >> beam.Map(lambda value, key=name: {key: value})
+    )
+
+
+def _max(values: Iterable[int]) -> int:
+    return max(values, default=0)
+
+
+def build(docs: beam.PCollection, config: FuzzyDedupConfig) -> StageOutputs:
+    bands, rows = config.lsh()
+    params = config.minhash
+    pipeline = docs.pipeline
+
+    hashed = (
+        docs
+        | "Batch"
+        >> beam.BatchElements(min_batch_size=config.batch_size, max_batch_size=config.batch_size)
+        | "MinHash"
+        >> beam.ParDo(_Signatures(params, bands, rows)).with_outputs(
+            BANDS, NO_SHINGLES, SIGNATURE_ERRORS, main="sigs"
+        )
+    )
+    sigs = hashed["sigs"]
+
+    links = (
+        hashed[BANDS]
+        | "GroupBuckets" >> beam.GroupByKey()
+        | "LinkToHead" >> beam.FlatMap(link_to_head).with_outputs(BUCKET_SIZE, main="links")
+    )
+    candidates = {"sig": sigs, "heads": links["links"]} | "AtMember" >> beam.CoGroupByKey()
+    candidates = candidates | "AttachSignature" >> beam.FlatMap(attach_member_signature)
+    edges = (
+        {"sig": sigs, "candidates": candidates}
+        | "AtHead" >> beam.CoGroupByKey()
+        | "Verify" >> beam.FlatMap(verify_candidates, config.threshold)
+    )
+
+    components = edges | "Components" >> ConnectedComponents(config.max_rounds)
+    clusters = (
+        components["labels"]
+        | "GroupClusters" >> beam.GroupByKey()
+        | "ClusterMembers"
+        >> beam.FlatMap(cluster_members).with_outputs("cluster_size", main="members")
+    )
+    resolved = (
+        {
+            "docs": docs | "KeyByNode" >> beam.Map(lambda doc: (node_key(doc), doc)),
+            "cluster": clusters["members"],
+        }
+        | "JoinClusters" >> beam.CoGroupByKey()
+        | "Resolve" >> beam.FlatMap(resolve).with_outputs(DEAD, main="kept")
+    )
+
+    fp_area, fn_area = lsh_error_areas(config.threshold, bands, rows)
+    parameters = {
+        "num_perm": config.num_perm,
+        "ngram": config.ngram,
+        "threshold": config.threshold,
+        "bands": bands,
+        "rows": rows,
+        "lsh_false_positive_area": round(fp_area, 6),
+        "lsh_false_negative_area": round(fn_area, 6),
+        "canonical": "longest text, then smallest id",
+    }
+    round_counts = (
+        (
+            components[UNCONVERGED],
+            pipeline
+            | "AllRounds" >> beam.Create([(r, 0) for r in range(1, config.max_rounds + 2)]),
+        )
+        | "RoundStats" >> beam.Flatten()
+        | "SumByRound" >> beam.CombinePerKey(sum)
+        | "RoundsList" >> beam.combiners.ToList()
+        | "Convergence"
+        >> beam.Map(convergence_summary, config.max_rounds, config.fail_on_nonconvergence)
+    )
+    extras = [
+        pipeline | "Parameters" >> beam.Create([parameters]),
+        round_counts,
+        _extra(hashed[NO_SHINGLES], "documents_without_shingles"),
+        _extra(hashed[SIGNATURE_ERRORS], "signature_errors"),
+        _extra(links[BUCKET_SIZE], "multi_document_buckets"),
+        _extra(links[BUCKET_SIZE], "largest_bucket", "max"),
+        _extra(candidates, "candidate_pairs"),
+        _extra(edges, "verified_edges"),
+        _extra(clusters["cluster_size"], "clusters"),
+        _extra(clusters["cluster_size"], "largest_cluster", "max"),
+        _extra(clusters["cluster_size"], "documents_in_clusters", "sum"),
+    ]
+    extra = extras | "FuzzyDedupExtra" >> beam.Flatten()
+    return StageOutputs(resolved["kept"], resolved[DEAD], extra)
+
+
+def main(argv: Sequence[str] | None = None) -> StageRun:
+    return stage_main(STAGE, __doc__ or STAGE, FuzzyDedupConfig, build, argv)
+
+
+if __name__ == "__main__":
+    main()
