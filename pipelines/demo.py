@@ -80,7 +80,14 @@ def run_data_plane(
     clean = output / "decontaminate"
     argv = ["--input", str(clean), *cfg("train_tokenizer"), *beam]
     results.append(_run("train_tokenizer", train_tokenizer.main, argv, output / "tokenizer"))
-    argv = ["--input", str(clean), "--tokenizer", str(output / "tokenizer"), *cfg("tokenize"), *beam]
+    argv = [
+        "--input",
+        str(clean),
+        "--tokenizer",
+        str(output / "tokenizer"),
+        *cfg("tokenize"),
+        *beam,
+    ]
     results.append(_run("tokenize", tokenize.main, argv, output / "tokens"))
     return results
 
@@ -107,7 +114,9 @@ def format_summary(results: Sequence[StageResult]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True
+    )
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
     parser.add_argument("--output", type=Path, default=Path("out/demo"))

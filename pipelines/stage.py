@@ -259,7 +259,9 @@ def stage_main(
     raw_records: bool = False,
 ) -> StageRun:
     """Command-line entry shared by the stages; unknown flags are Beam pipeline options."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True
+    )
     parser = stage_argument_parser(description)
     args, beam_args = parser.parse_known_args(argv)
     try:
