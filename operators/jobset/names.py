@@ -1,0 +1,143 @@
+"""Checks for every string that ends up in a manifest (Kubernetes naming rules).
+
+Errors are :class:`ManifestError` (a ``ValueError``) naming the field and the rule, raised when
+a :class:`~operators.jobset.manifest.TrainingLaunch` is built, never by the API server later.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+__all__ = [
+    "ManifestError",
+    "check_arg",
+    "check_dns1123_label",
+    "check_dns1123_subdomain",
+    "check_env_name",
+    "check_image",
+    "check_label_key",
+    "check_label_value",
+    "check_labels",
+]
+
+
+class ManifestError(ValueError):
+    """A launch spec that would render an invalid or unsafe manifest."""
+
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# registry/path:tag or @digest; no whitespace or shell characters, nothing to interpret.
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")
+# Args are an argv list handed to exec, never a shell string. These characters only mean
+# something to a shell (or, for '$', to Kubernetes' $(VAR) expansion); in an arg they signal a
+# string that was built for a shell, or an injection attempt.
+_SHELL_CHARS = frozenset(";&|`$<>\n\r\x00")
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash", "busybox"})
+
+
+def check_dns1123_label(value: object, what: str, max_len: int = 63) -> str:
+    if not isinstance(value, str) or not _DNS1123_LABEL.match(value) or len(value) > max_len:
+        raise ManifestError(
+            f"{what} {value!r}: must be a DNS-1123 label (lowercase letters, digits and '-', "
+            f"starting and ending with a letter or digit, at most {max_len} characters)"
+        )
+    return value
+
+
+def check_dns1123_subdomain(value: object, what: str) -> str:
+    if not isinstance(value, str) or not _DNS1123_SUBDOMAIN.match(value) or len(value) > 253:
+        raise ManifestError(
+            f"{what} {value!r}: must be a DNS-1123 subdomain (lowercase letters, digits, '-' "
+            "and '.', at most 253 characters)"
+        )
+    return value
+
+
+def check_label_key(key: object, what: str = "label key") -> str:
+    if not isinstance(key, str) or not key:
+        raise ManifestError(f"{what} {key!r}: must be a non-empty string")
+    prefix, _, name = key.rpartition("/")
+    if prefix:
+        check_dns1123_subdomain(prefix, f"{what} prefix of {key!r}")
+    if len(name) > 63 or not _LABEL_NAME.match(name):
+        raise ManifestError(
+            f"{what} {key!r}: name part must be at most 63 characters of letters, digits, "
+            "'-', '_' and '.', starting and ending with a letter or digit"
+        )
+    return key
+
+
+def check_label_value(value: object, what: str = "label value") -> str:
+    if not isinstance(value, str) or len(value) > 63 or (value and not _LABEL_NAME.match(value)):
+        raise ManifestError(
+            f"{what} {value!r}: must be empty or at most 63 characters of letters, digits, "
+            "'-', '_' and '.', starting and ending with a letter or digit"
+        )
+    return value
+
+
+def check_labels(labels: Mapping[str, str], reserved: Iterable[str] = ()) -> dict[str, str]:
+    """Validate user labels; ``reserved`` prefixes belong to JobSet/Kueue/Slipway."""
+    out: dict[str, str] = {}
+    reserved = tuple(reserved)
+    for key, value in labels.items():
+        check_label_key(key)
+        check_label_value(value, f"label {key!r} value")
+        if any(key.startswith(p) for p in reserved):
+            raise ManifestError(f"label {key!r}: prefixes {', '.join(reserved)} are reserved")
+        out[key] = value
+    return out
+
+
+def check_env_name(name: object) -> str:
+    if not isinstance(name, str) or not _ENV_NAME.match(name):
+        raise ManifestError(
+            f"environment variable name {name!r}: must match [A-Za-z_][A-Za-z0-9_]*"
+        )
+    return name
+
+
+def check_env_value(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ManifestError(f"environment variable {name}: value must be a string, got {value!r}")
+    if "\x00" in value:
+        raise ManifestError(f"environment variable {name}: value contains a NUL byte")
+    return value
+
+
+def check_image(image: object) -> str:
+    if not isinstance(image, str) or not _IMAGE.match(image) or len(image) > 512:
+        raise ManifestError(
+            f"image {image!r}: must be an image reference such as "
+            "us-docker.pkg.dev/project/repo/trainer:tag (no spaces or shell characters)"
+        )
+    return image
+
+
+def check_arg(arg: object, what: str) -> str:
+    if not isinstance(arg, str):
+        raise ManifestError(f"{what} {arg!r}: must be a string (args are an argv list)")
+    bad = sorted(_SHELL_CHARS.intersection(arg))
+    if bad:
+        raise ManifestError(
+            f"{what} {arg!r}: contains shell metacharacters {''.join(bad)!r}; args are an "
+            "argv list passed to exec, never a shell string"
+        )
+    return arg
+
+
+def check_command(command: Iterable[object]) -> tuple[str, ...]:
+    cmd = tuple(check_arg(c, "command element") for c in command)
+    if not cmd or not cmd[0]:
+        raise ManifestError("command must not be empty")
+    if cmd[0].rsplit("/", 1)[-1] in _SHELLS:
+        raise ManifestError(
+            f"command {cmd[0]!r} is a shell: run the program directly with an argv list"
+        )
+    return cmd
