@@ -1,0 +1,276 @@
+"""Harness for stages whose output is an artifact (a tokenizer model, a token store).
+
+Same contract as ``pipelines.stage``: read inputs, turn every record that is not used into a
+counted dead letter, and prove in a manifest that nothing was lost. What differs is the
+output: not document shards (copying the corpus would be waste) but files that the stage's
+workers write (``parts``) and that one final, single-element step assembles (``finalize``:
+train the tokenizer, write the token store's ledger). A single-element step is how "run once
+after everything else" is expressed on any runner, Dataflow included.
+
+The manifest is a ``pipelines.manifest.Manifest`` (so ``read_manifest`` and the lineage's
+``describe_documents`` read it like any other stage's), with ``format`` ``slipway-artifact/v1``:
+its ``shards`` list the artifact's files or directories (each with the records it accounts
+for, its bytes and a sha256) instead of JSONL documents, and ``extra`` describes the artifact
+(``extra.kind``: "tokenizer" | "token-store"). What ``records_out`` means is the stage's to say;
+see each stage's docstring. ``records_in == records_out + sum(dropped)`` is checked before the
+artifact is finalized, and again (with the shard counts) before the manifest is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import apache_beam as beam
+import fsspec
+
+from pipelines import storage
+from pipelines.beam_io import DEAD, RECORDS, ParseDocuments, ReadRecords, write_dead_letters
+from pipelines.manifest import AccountingError, Manifest, ShardInfo, read_manifest
+from pipelines.stage import (
+    DEFAULT_SHARDS,
+    StageError,
+    clear_output,
+    config_from_args,
+    pipeline_options,
+    stage_argument_parser,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT = "slipway-artifact/v1"
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """The counts the final step sees; checked before any artifact is finalized."""
+
+    records_in: int
+    records_out: int
+    dropped: dict[str, int]
+
+    def check(self, stage: str) -> None:
+        lost = self.records_in - self.records_out - sum(self.dropped.values())
+        if lost:
+            raise AccountingError(
+                f"stage {stage!r}: {self.records_in} records in, but {self.records_out} out"
+                f" + {sum(self.dropped.values())} dropped {self.dropped}"
+            )
+
+
+def file_info(relative: str, data: bytes, records: int) -> ShardInfo:
+    return ShardInfo(relative, records, len(data), storage.sha256_hex(data))
+
+
+def tree_info(output: str, relative: str, records: int) -> ShardInfo:
+    """A directory as one manifest shard: total bytes, sha256 over (path, sha256) of its files.
+
+    Files are read back after writing: cheap locally (page cache); on an object store it is one
+    read per chunk, the price of a content hash that names the bytes actually stored.
+    """
+    fs, base = fsspec.core.url_to_fs(storage.join(output, relative))
+    base = base.rstrip("/")
+    digest = hashlib.sha256()
+    size = 0
+    for path in sorted(fs.find(base)):
+        data = fs.cat_file(path)
+        size += len(data)
+        digest.update(f"{path[len(base) + 1 :]}\0{storage.sha256_hex(data)}\n".encode())
+    return ShardInfo(relative, records, size, digest.hexdigest())
+
+
+@dataclass(frozen=True)
+class ArtifactResult:
+    """What ``finalize`` returns: the manifest's shards and its ``extra`` description."""
+
+    shards: list[ShardInfo]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ArtifactTarget:
+    """Where the stage's workers write, handed to ``build``."""
+
+    output: str
+    num_shards: int
+
+
+# finalize(output, parts, accounting) -> the manifest's shards and extra. Runs once, last.
+Finalize = Callable[[str, list[Any], Accounting], ArtifactResult]
+
+
+@dataclass
+class ArtifactOutputs:
+    """What an artifact stage's ``build`` returns."""
+
+    records_out: beam.PCollection  # ints whose sum is the stage's records_out
+    dropped: beam.PCollection  # dead letters
+    parts: beam.PCollection  # what the workers wrote; handed to ``finalize`` as a list
+    finalize: Finalize
+
+
+ArtifactBuild = Callable[[beam.PCollection, Any, ArtifactTarget], ArtifactOutputs]
+
+
+@dataclass(frozen=True)
+class ArtifactRun:
+    output: str
+    manifest: Manifest
+    seconds: float
+
+
+def _finish(
+    _: Any,
+    *,
+    finalize: Finalize,
+    output: str,
+    stage: str,
+    kind: str,
+    config: Mapping[str, Any],
+    inputs: list[str],
+    records_in: int,
+    records_out: int,
+    reasons: Mapping[str, int],
+    dead_shards: list[dict[str, Any]],
+    parts: list[Any],
+) -> None:
+    accounting = Accounting(records_in, records_out, dict(sorted(reasons.items())))
+    # Refuse to publish an artifact built from an unaccounted-for corpus.
+    accounting.check(stage)
+    result = finalize(output, parts, accounting)
+    Manifest(
+        stage=stage,
+        config=dict(config),
+        inputs=list(inputs),
+        records_in=records_in,
+        records_out=records_out,
+        dropped=accounting.dropped,
+        shards=sorted(result.shards, key=lambda s: s.path),
+        dead_letter_shards=sorted((ShardInfo(**s) for s in dead_shards), key=lambda s: s.path),
+        extra={"kind": kind, **result.extra},
+        format=FORMAT,
+    ).write(output)
+
+
+def _total(pcoll: beam.PCollection, label: str) -> beam.PCollection:
+    return pcoll | label >> beam.CombineGlobally(sum)
+
+
+def run_artifact_stage(
+    stage: str,
+    kind: str,
+    build: ArtifactBuild,
+    config: Any,
+    inputs: list[str],
+    output: str,
+    *,
+    num_shards: int = DEFAULT_SHARDS,
+    beam_args: Sequence[str] = (),
+) -> ArtifactRun:
+    """Run an artifact stage as one Beam pipeline and return its manifest."""
+    if not inputs:
+        raise StageError(f"{stage}: at least one --input is required")
+    if num_shards < 1:
+        raise StageError(f"{stage}: --num_shards must be >= 1")
+    options = pipeline_options(beam_args)
+    config_dict = dataclasses.asdict(config)
+    started = time.monotonic()
+    clear_output(output)
+    log.info("stage %s: reading %s, writing %s", stage, inputs, output)
+    with beam.Pipeline(options=options) as pipeline:
+        read = pipeline | "ReadInputs" >> ReadRecords(inputs)
+        ones_in = (
+            read[RECORDS] | "OneRecord" >> beam.Map(lambda _: 1),
+            read[DEAD] | "OneUnreadable" >> beam.Map(lambda _: 1),
+        ) | "InOnes" >> beam.Flatten()
+        records_in = _total(ones_in, "RecordsIn")
+        parsed = read[RECORDS] | "Parse" >> ParseDocuments(stage)
+        built = build(parsed[RECORDS], config, ArtifactTarget(output, num_shards))
+        letters = (read[DEAD], parsed[DEAD], built.dropped)
+        dead = letters | "AllDead" >> beam.Flatten()
+        dead_shards = write_dead_letters(dead, output, num_shards)
+        reasons = (
+            dead
+            | "Reason" >> beam.Map(lambda letter: letter["reason"])
+            | "CountReasons" >> beam.combiners.Count.PerElement()
+        )
+        (
+            pipeline
+            | "Once" >> beam.Create([None])
+            | "Finalize"
+            >> beam.Map(
+                _finish,
+                finalize=built.finalize,
+                output=output,
+                stage=stage,
+                kind=kind,
+                config=config_dict,
+                inputs=list(inputs),
+                records_in=beam.pvalue.AsSingleton(records_in),
+                records_out=beam.pvalue.AsSingleton(_total(built.records_out, "RecordsOut")),
+                reasons=beam.pvalue.AsDict(reasons),
+                dead_shards=beam.pvalue.AsList(dead_shards),
+                parts=beam.pvalue.AsList(built.parts),
+            )
+        )
+    manifest = read_manifest(output)
+    seconds = time.monotonic() - started
+    log.info(
+        "stage %s: %d in, %d out, dropped %s (%.1fs)",
+        stage,
+        manifest.records_in,
+        manifest.records_out,
+        dict(manifest.dropped),
+        seconds,
+    )
+    return ArtifactRun(output, manifest, seconds)
+
+
+def artifact_main(
+    stage: str,
+    kind: str,
+    description: str,
+    config_type: type,
+    build: ArtifactBuild,
+    argv: Sequence[str] | None = None,
+    *,
+    add_arguments: Callable[[Any], None] | None = None,
+    apply_arguments: Callable[[Any, Any], Any] | None = None,
+) -> ArtifactRun:
+    """Command line shared by artifact stages; unknown flags are Beam pipeline options.
+
+    ``add_arguments(parser)`` adds stage flags; ``apply_arguments(config, args)`` folds them
+    into the config, so the manifest records them like any other setting.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Importing Beam may already have configured the root logger (at WARNING), which makes
+    # basicConfig a no-op; lower the level only, keeping whatever handlers a caller set up.
+    if logging.getLogger().level > logging.INFO:
+        logging.getLogger().setLevel(logging.INFO)
+    parser = stage_argument_parser(description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args, beam_args = parser.parse_known_args(argv)
+    try:
+        config = config_from_args(config_type, args.config)
+        if apply_arguments is not None:
+            config = apply_arguments(config, args)
+        run = run_artifact_stage(
+            stage,
+            kind,
+            build,
+            config,
+            args.input,
+            args.output,
+            num_shards=args.num_shards,
+            beam_args=beam_args,
+        )
+    except (StageError, FileNotFoundError) as err:
+        parser.exit(2, f"{stage}: error: {err}\n")
+    print(run.manifest.to_json(), end="")
+    return run

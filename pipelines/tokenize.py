@@ -1,0 +1,244 @@
+"""Stage 7, tokenize: documents -> a token store (``tokenstore``), written by the workers.
+
+    python -m pipelines.tokenize --input out/decontaminate --tokenizer out/tokenizer \\
+        --output out/tokens [--num_shards 64] [beam pipeline options]
+
+Documents go to ``num_shards`` token-store shards by a stable hash of their id and are sorted
+by (id, text) inside each shard, so the store does not depend on the runner or on the order
+of the input. Each worker encodes its shard with SentencePiece in batches (one C++ call per
+``batch_docs`` documents, ``encode_threads`` threads, numpy output, EOS appended) and writes
+it with ``tokenstore.write_shard``. A final single-element step writes the store's ledger
+(``tokenstore.finalize``: vocabulary size, EOS id, tokenizer sha256, and this run's counts),
+then the stage manifest. A worker holds one shard's documents and tokens at a time, never the
+corpus: choose ``--num_shards`` so that a shard fits a worker comfortably.
+
+The output directory is the store root: ``shards/``, ``ledger.json``, plus ``dead_letter/``
+and ``manifest.json`` (``pipelines.artifact_stage``). ``records_out`` is the number of
+documents in the store; ``dropped`` counts unreadable/invalid input lines and documents that
+cannot be tokenized (``empty_text``, ``empty_encoding``, ``encode_error``), each with a dead
+letter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+import sentencepiece as sentencepiece_lib
+from apache_beam import pvalue
+
+import tokenstore
+from pipelines import spm
+from pipelines.artifact_stage import (
+    Accounting,
+    ArtifactOutputs,
+    ArtifactResult,
+    ArtifactRun,
+    ArtifactTarget,
+    artifact_main,
+    tree_info,
+)
+from pipelines.beam_io import DEAD, stable_shard
+from pipelines.documents import DeadLetter, Document, dead_letter
+from pipelines.manifest import ShardInfo
+from pipelines.stage import StageError
+
+STAGE = "tokenize"
+KIND = "token-store"
+
+Row = tuple[str, str]  # (id, text): all that tokenization needs crosses the shuffle
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    tokenizer: str = ""  # tokenizer directory (stage 6 output) or .model file; --tokenizer
+    encode_threads: int = 0  # SentencePiece threads per batch; 0 = one per CPU (max 8)
+    batch_docs: int = 1024  # documents per encode call
+
+    def __post_init__(self) -> None:
+        if self.encode_threads < 0:
+            raise ValueError("encode_threads must be >= 0")
+        if self.batch_docs < 1:
+            raise ValueError("batch_docs must be >= 1")
+
+
+def token_shard_name(index: int, num_shards: int) -> str:
+    return f"part-{index:05d}-of-{num_shards:05d}"
+
+
+def _letter(reason: str, row: Row, detail: str = "") -> DeadLetter:
+    # After parsing, a document's origin is its id; the record keeps what was tokenized.
+    return dead_letter(reason, STAGE, row[0], {"id": row[0], "text": row[1]}, detail)
+
+
+def encode_rows(
+    sp: sentencepiece_lib.SentencePieceProcessor,
+    rows: Sequence[Row],
+    threads: int,
+    batch_docs: int,
+) -> tuple[list[np.ndarray], list[DeadLetter]]:
+    """Token arrays (EOS included) of the rows that tokenize, and letters for the rest."""
+    kept: list[np.ndarray] = []
+    letters: list[DeadLetter] = []
+    for start in range(0, len(rows), batch_docs):
+        batch = rows[start : start + batch_docs]
+        try:
+            encoded: list[np.ndarray | BaseException] = list(
+                spm.encode_with_eos(sp, [text for _, text in batch], threads)
+            )
+        except Exception:
+            # Find the culprit: one bad document must not take its batch with it.
+            encoded = [_encode_one(sp, text) for _, text in batch]
+        for row, ids in zip(batch, encoded, strict=True):
+            if isinstance(ids, BaseException):
+                letters.append(_letter("encode_error", row, f"{type(ids).__name__}: {ids}"))
+            elif len(ids) <= 1:  # EOS alone: nothing left of the text
+                letters.append(_letter("empty_encoding", row))
+            else:
+                kept.append(ids)
+    return kept, letters
+
+
+def _encode_one(
+    sp: sentencepiece_lib.SentencePieceProcessor, text: str
+) -> np.ndarray | BaseException:
+    try:
+        return spm.encode_with_eos(sp, [text], 1)[0]
+    except Exception as err:
+        return err
+
+
+class EncodeShard(beam.DoFn):
+    """(shard index, rows) -> the shard written to the store, its ledger entry, dead letters."""
+
+    def __init__(
+        self, info: spm.TokenizerInfo, output: str, num_shards: int, config: TokenizeConfig
+    ) -> None:
+        super().__init__()
+        self.info = info
+        self.output = output
+        self.num_shards = num_shards
+        self.threads = spm.resolve_threads(config.encode_threads)
+        self.batch_docs = config.batch_docs
+        self._sp: sentencepiece_lib.SentencePieceProcessor | None = None
+
+    def setup(self) -> None:
+        # Loaded once per worker; the sha256 check pins it to the model the run was planned with.
+        self._sp = spm.processor(spm.load_model_bytes(self.info.path, self.info.sha256))
+
+    def process(self, item: tuple[int, Iterable[Row | None]]) -> Iterator[Any]:
+        assert self._sp is not None
+        index, rows = item
+        ordered = sorted(r for r in rows if r is not None)
+        tokens, letters = encode_rows(self._sp, ordered, self.threads, self.batch_docs)
+        name = token_shard_name(index, self.num_shards)
+        ledger = tokenstore.write_shard(self.output, name, tokens)
+        info = tree_info(self.output, f"shards/{name}", ledger.num_docs)
+        yield {"ledger": asdict(ledger), "info": asdict(info)}
+        for letter in letters:
+            yield pvalue.TaggedOutput(DEAD, letter)
+
+
+def key_by_shard(doc: Document, num_shards: int) -> Iterator[Any]:
+    if not doc["text"]:
+        yield pvalue.TaggedOutput(DEAD, dead_letter("empty_text", STAGE, doc["id"], doc))
+        return
+    yield (stable_shard(doc["id"], num_shards), (doc["id"], doc["text"]))
+
+
+def finalize_store(
+    output: str,
+    parts: list[dict[str, Any]],
+    accounting: Accounting,
+    *,
+    info: spm.TokenizerInfo,
+    num_shards: int,
+) -> ArtifactResult:
+    """Write the ledger: from now on the store is readable. Returns the manifest's shards."""
+    shards = [tokenstore.ShardLedger(**p["ledger"]) for p in parts]
+    expected = {token_shard_name(i, num_shards) for i in range(num_shards)}
+    if {s.name for s in shards} != expected or len(shards) != num_shards:
+        raise StageError(f"{STAGE}: expected exactly one ledger entry per shard {sorted(expected)}")
+    ledger = tokenstore.finalize(
+        output,
+        shards,
+        vocab_size=info.vocab_size,
+        eos_id=info.eos_id,
+        tokenizer_sha256=info.sha256,
+        metadata={
+            "stage": STAGE,
+            "records_in": accounting.records_in,
+            "records_out": accounting.records_out,
+            "dropped": accounting.dropped,
+            "special_ids": dict(spm.SPECIAL_IDS),
+        },
+    )
+    extra = {
+        "ledger": tokenstore.LEDGER_NAME,
+        "num_docs": ledger.num_docs,
+        "num_tokens": ledger.num_tokens,
+        "vocab_size": ledger.vocab_size,
+        "eos_id": ledger.eos_id,
+        "tokenizer_sha256": ledger.tokenizer_sha256,
+        "shard_tokens": {s.name: s.num_tokens for s in ledger.shards},
+    }
+    return ArtifactResult([ShardInfo(**p["info"]) for p in parts], extra)
+
+
+def build(
+    docs: beam.PCollection, config: TokenizeConfig, target: ArtifactTarget
+) -> ArtifactOutputs:
+    if not config.tokenizer:
+        raise StageError(f"{STAGE}: a tokenizer is required (--tokenizer DIR_OR_MODEL)")
+    info = spm.describe(config.tokenizer)
+    n = target.num_shards
+    keyed = docs | "KeyByShard" >> beam.FlatMap(key_by_shard, n).with_outputs(DEAD, main="rows")
+    # Every shard is written, empty or not, so the store's file set depends only on n.
+    empties = docs.pipeline | "AllTokenShards" >> beam.Create([(i, None) for i in range(n)])
+    encoded = (
+        (keyed["rows"], empties)
+        | "WithEmptyTokenShards" >> beam.Flatten()
+        | "GroupTokenShard" >> beam.GroupByKey()
+        | "EncodeShard"
+        >> beam.ParDo(EncodeShard(info, target.output, n, config)).with_outputs(DEAD, main="shards")
+    )
+    return ArtifactOutputs(
+        records_out=encoded["shards"] | "ShardDocs" >> beam.Map(lambda s: s["ledger"]["num_docs"]),
+        dropped=(keyed[DEAD], encoded[DEAD]) | "TokenizeDropped" >> beam.Flatten(),
+        parts=encoded["shards"],
+        finalize=functools.partial(finalize_store, info=info, num_shards=n),
+    )
+
+
+def _add_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (train_tokenizer output) or .model"
+    )
+
+
+def _apply_arguments(config: TokenizeConfig, args: Any) -> TokenizeConfig:
+    if args.tokenizer:
+        config = dataclasses.replace(config, tokenizer=args.tokenizer)
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> ArtifactRun:
+    return artifact_main(
+        STAGE,
+        KIND,
+        __doc__ or STAGE,
+        TokenizeConfig,
+        build,
+        argv,
+        add_arguments=_add_arguments,
+        apply_arguments=_apply_arguments,
+    )
+
+
+if __name__ == "__main__":
+    main()

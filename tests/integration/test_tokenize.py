@@ -1,0 +1,173 @@
+"""Stage 7 end to end: documents -> token store, nothing lost, exact round trip, same bytes."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from operators.lineage.describe import describe_documents
+from pipelines import spm, tokenize, train_tokenizer
+from pipelines.artifact_stage import run_artifact_stage
+from pipelines.beam_io import read_dead_letters, stable_shard
+from pipelines.manifest import read_manifest
+from tokenstore import TokenStore
+
+NUM_SHARDS = 3
+_WORDS_TEXT = (
+    "the of and to in is was for on that with as by at from his her an be this which or "
+    "had not are but were have one all their there been has when who would more if into "
+    "time river market city garden letter winter number people system water report evening "
+    "naïve café Grüße 東京 😀"
+)
+WORDS = _WORDS_TEXT.split()
+
+
+def _document(i: int, rng: random.Random) -> dict:
+    if i % 7 == 0:  # code: indentation and blank lines are content
+        body = "\n".join(
+            f"def f{i}_{k}(x):\n    return x * {k}  # {rng.choice(WORDS)}\n" for k in range(5)
+        )
+    else:
+        paragraphs = [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) + "."
+            for _ in range(rng.randint(1, 4))
+        ]
+        body = "\n\n".join(paragraphs)
+    return {"id": f"doc-{i:04d}", "text": body, "source": "synthetic", "metadata": {"i": i}}
+
+
+def _line(obj: object) -> str:
+    return json.dumps(obj) + "\n"
+
+
+BAD_LINES = {
+    "not json\n": "invalid_json",
+    _line({"id": 7, "text": "x", "source": "s"}): "non_string_id",
+    _line({"id": "no-text", "source": "s"}): "missing_text",
+    _line({"id": "empty", "text": "", "source": "s"}): "empty_text",
+    '{"id": "surrogate", "text": "bad \\ud800", "source": "s"}\n': "invalid_unicode",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    docs = [_document(i, rng) for i in range(240)]
+    (root / "a.jsonl").write_text("".join(_line(d) for d in docs[:120]) + "".join(BAD_LINES))
+    (root / "b.jsonl").write_text("".join(_line(d) for d in docs[120:]))
+    return root, docs
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    config = train_tokenizer.TrainTokenizerConfig(vocab_size=400, num_threads=2)
+    run_artifact_stage(
+        train_tokenizer.STAGE,
+        train_tokenizer.KIND,
+        train_tokenizer.build,
+        config,
+        [str(corpus[0])],
+        str(out),
+        num_shards=2,
+    )
+    return out
+
+
+def _tokenize(corpus_dir: Path, tokenizer: Path, out: Path, beam_args: list[str] | None = None):
+    config = tokenize.TokenizeConfig(tokenizer=str(tokenizer), batch_docs=50)
+    return run_artifact_stage(
+        tokenize.STAGE,
+        tokenize.KIND,
+        tokenize.build,
+        config,
+        [str(corpus_dir)],
+        str(out),
+        num_shards=NUM_SHARDS,
+        beam_args=beam_args or [],
+    )
+
+
+@pytest.fixture(scope="module")
+def store_run(corpus, tokenizer_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("store") / "tokens"
+    return out, _tokenize(corpus[0], tokenizer_dir, out).manifest
+
+
+def test_nothing_is_lost(corpus, store_run):
+    out, manifest = store_run
+    _, docs = corpus
+    assert manifest.records_in == len(docs) + len(BAD_LINES)
+    assert manifest.records_out == len(docs)
+    assert manifest.records_in == manifest.records_out + sum(manifest.dropped.values())
+    assert manifest.dropped == dict(Counter(BAD_LINES.values()))
+    letters = list(read_dead_letters(str(out)))
+    assert Counter(x["reason"] for x in letters) == manifest.dropped
+    ledger = TokenStore.open(str(out)).ledger
+    assert ledger.num_docs == manifest.records_out
+    assert ledger.metadata["records_in"] == manifest.records_in
+    assert ledger.metadata["dropped"] == manifest.dropped
+
+
+def test_round_trip_gives_back_the_text_in_store_order(corpus, tokenizer_dir, store_run):
+    out, _ = store_run
+    _, docs = corpus
+    store = TokenStore.open(str(out))
+    sp = spm.processor((tokenizer_dir / spm.MODEL_NAME).read_bytes())
+    # Store order: shards by name, documents sorted by id inside each shard.
+    expected = [
+        d
+        for shard in range(NUM_SHARDS)
+        for d in sorted(docs, key=lambda d: d["id"])
+        if stable_shard(d["id"], NUM_SHARDS) == shard
+    ]
+    assert store.num_docs == len(expected)
+    for index, doc in enumerate(expected):
+        tokens = store.document(index)
+        assert tokens[-1] == store.eos_id
+        assert sp.decode(tokens[:-1].tolist()) == doc["text"], doc["id"]
+    flat = store.read(0, store.num_tokens)
+    assert int(np.count_nonzero(flat == store.eos_id)) == store.num_docs
+
+
+def test_ledger_names_the_tokenizer(tokenizer_dir, store_run):
+    out, manifest = store_run
+    tokenizer = read_manifest(str(tokenizer_dir)).extra
+    ledger = TokenStore.open(str(out)).ledger
+    assert ledger.tokenizer_sha256 == tokenizer["model_sha256"]
+    assert (ledger.vocab_size, ledger.eos_id) == (400, spm.EOS_ID)
+    assert [s.name for s in ledger.shards] == [
+        tokenize.token_shard_name(i, NUM_SHARDS) for i in range(NUM_SHARDS)
+    ]
+    assert manifest.extra["num_tokens"] == ledger.num_tokens
+    assert manifest.extra["kind"] == "token-store"
+    # One manifest shard per token shard, with its documents and a digest of its files.
+    assert [(s.path, s.records) for s in manifest.shards] == [
+        (f"shards/{s.name}", s.num_docs) for s in ledger.shards
+    ]
+    assert all(len(s.sha256) == 64 and s.bytes > 0 for s in manifest.shards)
+
+
+def test_lineage_describes_the_store(store_run):
+    out, manifest = store_run
+    described = describe_documents(str(out))
+    assert described["counts"]["records_out"] == manifest.records_out
+    assert described["content_hash"].startswith("sha256:")
+
+
+def test_multi_processing_gives_identical_bytes(corpus, tokenizer_dir, store_run, tmp_path, digest):
+    out, _ = store_run
+    other = tmp_path / "tokens"
+    _tokenize(
+        corpus[0],
+        tokenizer_dir,
+        other,
+        ["--direct_running_mode=multi_processing", "--direct_num_workers=2"],
+    )
+    assert digest(other) == digest(out)
