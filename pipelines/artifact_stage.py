@@ -30,7 +30,14 @@ import apache_beam as beam
 import fsspec
 
 from pipelines import storage
-from pipelines.beam_io import DEAD, RECORDS, ParseDocuments, ReadRecords, write_dead_letters
+from pipelines.beam_io import (
+    DEAD,
+    RECORDS,
+    InputError,
+    ParseDocuments,
+    ReadRecords,
+    write_dead_letters,
+)
 from pipelines.manifest import AccountingError, Manifest, ShardInfo, read_manifest
 from pipelines.stage import (
     DEFAULT_SHARDS,
@@ -270,7 +277,7 @@ def artifact_main(
             num_shards=args.num_shards,
             beam_args=beam_args,
         )
-    except (StageError, FileNotFoundError) as err:
+    except (StageError, FileNotFoundError, InputError) as err:
         parser.exit(2, f"{stage}: error: {err}\n")
     print(run.manifest.to_json(), end="")
     return run

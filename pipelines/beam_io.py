@@ -28,6 +28,7 @@ from pipelines.documents import (
     dumps,
     validate_document,
 )
+from pipelines.manifest import FORMAT as DOCUMENTS_FORMAT
 from pipelines.manifest import ShardInfo, has_manifest, read_manifest
 
 RECORDS = "records"
@@ -35,6 +36,10 @@ DEAD = "dead_letter"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
 HF_PREFIX = "hf:"
+
+
+class InputError(ValueError):
+    """An input spec that cannot be read as documents."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,11 @@ def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource
             continue
         if has_manifest(spec):
             manifest = read_manifest(spec)
+            if manifest.format != DOCUMENTS_FORMAT:
+                raise InputError(
+                    f"input {spec!r} is a {manifest.format} output of stage {manifest.stage!r},"
+                    " not documents"
+                )
             sources.extend(InputSource("jsonl", p) for p in manifest.shard_paths(spec))
             continue
         fs = storage.filesystem(spec)

@@ -38,7 +38,7 @@ import numpy as np
 from apache_beam import pvalue
 
 from pipelines.beam_io import DEAD as READ_DEAD
-from pipelines.beam_io import RECORDS, ReadRecords
+from pipelines.beam_io import RECORDS, InputError, ReadRecords
 from pipelines.documents import Document, InvalidRecord, dead_letter, validate_document
 from pipelines.stage import (
     StageError,
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
             num_shards=args.num_shards,
             beam_args=beam_args,
         )
-    except (StageError, FileNotFoundError) as err:
+    except (StageError, FileNotFoundError, InputError) as err:
         parser.exit(2, f"{STAGE}: error: {err}\n")
     print(run.manifest.to_json(), end="")
     return run

@@ -25,6 +25,7 @@ from pipelines import storage
 from pipelines.beam_io import (
     DEAD,
     RECORDS,
+    InputError,
     ParseDocuments,
     ReadRecords,
     write_dead_letters,
@@ -276,7 +277,7 @@ def stage_main(
             beam_args=beam_args,
             raw_records=raw_records,
         )
-    except (StageError, FileNotFoundError) as err:
+    except (StageError, FileNotFoundError, InputError) as err:
         parser.exit(2, f"{stage}: error: {err}\n")
     print(run.manifest.to_json(), end="")
     return run

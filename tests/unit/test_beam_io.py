@@ -1,0 +1,52 @@
+"""Input resolution: what a spec expands to, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.beam_io import InputError, resolve_inputs
+from pipelines.manifest import Manifest, ShardInfo
+
+
+def _manifest(fmt: str) -> Manifest:
+    return Manifest(
+        stage="train_tokenizer",
+        config={},
+        inputs=[],
+        records_in=1,
+        records_out=1,
+        dropped={},
+        shards=[ShardInfo("tokenizer.model", 1, 1, "x")],
+        dead_letter_shards=[],
+        format=fmt,
+    )
+
+
+def test_artifact_output_is_not_read_as_documents(tmp_path):
+    _manifest("slipway-artifact/v1").write(str(tmp_path))
+    with pytest.raises(InputError, match="not documents"):
+        resolve_inputs([str(tmp_path)])
+
+
+def test_directory_expands_to_supported_files_in_order(tmp_path):
+    (tmp_path / "b.jsonl.gz").write_bytes(b"")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.parquet").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("ignored: not a document file")
+    sources = resolve_inputs([str(tmp_path)])
+    assert [(s.kind, s.path.rsplit("/", 1)[1]) for s in sources] == [
+        ("jsonl", "b.jsonl.gz"),
+        ("parquet", "a.parquet"),
+    ]
+
+
+def test_hf_spec_is_split_into_shards():
+    sources = resolve_inputs(["hf:org/name:cfg@validation"], hf_shards=3)
+    assert [(s.path, s.hf_config, s.hf_split, s.shard) for s in sources] == [
+        ("org/name", "cfg", "validation", i) for i in range(3)
+    ]
+
+
+def test_glob_without_matches_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        resolve_inputs([str(tmp_path / "*.jsonl")])
