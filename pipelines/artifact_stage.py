@@ -45,6 +45,7 @@ from pipelines.stage import (
     clear_output,
     config_from_args,
     pipeline_options,
+    setup_logging,
     stage_argument_parser,
 )
 
@@ -254,11 +255,7 @@ def artifact_main(
     ``add_arguments(parser)`` adds stage flags; ``apply_arguments(config, args)`` folds them
     into the config, so the manifest records them like any other setting.
     """
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # Importing Beam may already have configured the root logger (at WARNING), which makes
-    # basicConfig a no-op; lower the level only, keeping whatever handlers a caller set up.
-    if logging.getLogger().level > logging.INFO:
-        logging.getLogger().setLevel(logging.INFO)
+    setup_logging()
     parser = stage_argument_parser(description)
     if add_arguments is not None:
         add_arguments(parser)

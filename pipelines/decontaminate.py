@@ -28,7 +28,6 @@ word) across the network to save broadcasting a few megabytes.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +45,7 @@ from pipelines.stage import (
     StageRun,
     config_from_args,
     run_stage,
+    setup_logging,
     stage_argument_parser,
 )
 from pipelines.text import ngram_hashes, token_hashes, words
@@ -265,7 +265,7 @@ def build(docs: beam.PCollection, config: DecontaminateConfig) -> StageOutputs:
 
 def main(argv: Sequence[str] | None = None) -> StageRun:
     """The shared stage CLI plus ``--eval_set`` (repeatable), appended to ``eval_sets``."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
     parser = stage_argument_parser(__doc__ or STAGE)
     parser.add_argument(
         "--eval_set",

@@ -74,7 +74,7 @@ def run_data_plane(
         argv = ["--input", str(previous), *cfg(name), *beam]
         results.append(_run(name, module.main, argv, output / name))
         previous = output / name
-    evals = [arg for path in eval_sets for arg in ("--eval_set", str(path))]
+    evals = [arg for path in sorted(eval_sets.values()) for arg in ("--eval_set", str(path))]
     argv = ["--input", str(previous), *evals, *cfg("decontaminate"), *beam]
     results.append(_run("decontaminate", decontaminate.main, argv, output / "decontaminate"))
     clean = output / "decontaminate"
@@ -99,7 +99,10 @@ def format_summary(results: Sequence[StageResult]) -> str:
     ]
     for r in results:
         m = r.manifest
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(m.dropped.items(), key=lambda kv: -kv[1]))
+        ranked = sorted(m.dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+        reasons = ", ".join(f"{k}={v}" for k, v in ranked[:4])
+        if len(ranked) > 4:
+            reasons += f", +{len(ranked) - 4} more reasons (see manifest.json)"
         lines.append(
             f"{r.name:<16}{m.records_in:>9}{m.records_out:>9}{sum(m.dropped.values()):>9}"
             f"  {r.seconds:>8.1f}  {reasons}"
@@ -114,9 +117,9 @@ def format_summary(results: Sequence[StageResult]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True
-    )
+    from pipelines.stage import setup_logging
+
+    setup_logging()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
     parser.add_argument("--output", type=Path, default=Path("out/demo"))

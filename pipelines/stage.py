@@ -234,6 +234,16 @@ def run_stage(
     return StageRun(output, manifest, seconds)
 
 
+def setup_logging() -> None:
+    """INFO for our stages, WARNING for Beam's own chatter (type-hint notes per transform)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Importing Beam may already have configured the root logger (at WARNING), which makes
+    # basicConfig a no-op; lower the level only, keeping whatever handlers a caller set up.
+    if logging.getLogger().level > logging.INFO:
+        logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+
+
 def stage_argument_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -260,9 +270,7 @@ def stage_main(
     raw_records: bool = False,
 ) -> StageRun:
     """Command-line entry shared by the stages; unknown flags are Beam pipeline options."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True
-    )
+    setup_logging()
     parser = stage_argument_parser(description)
     args, beam_args = parser.parse_known_args(argv)
     try:
