@@ -42,8 +42,15 @@ def _run(
 
 
 def run_data_plane(
-    data_dir: Path, output: Path, config: dict[str, Any], beam_args: Sequence[str] = ()
+    data_dir: Path,
+    output: Path,
+    config: dict[str, Any],
+    beam_args: Sequence[str] = (),
+    *,
+    raw: dict[str, str] | None = None,
+    eval_sets: dict[str, str] | None = None,
 ) -> list[StageResult]:
+    """Run every stage in order; ``raw``/``eval_sets`` default to the fetched corpora."""
     from pipelines import (
         decontaminate,
         exact_dedup,
@@ -55,8 +62,10 @@ def run_data_plane(
     )
     from pipelines.corpora import fetch
 
-    raw = fetch.fetch_all(data_dir)
-    eval_sets = fetch.eval_paths(data_dir)
+    if raw is None:
+        raw = fetch.fetch_all(data_dir)
+    if eval_sets is None:
+        eval_sets = fetch.eval_paths(data_dir)
     beam = list(beam_args)
 
     def cfg(stage: str) -> list[str]:
