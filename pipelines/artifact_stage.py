@@ -33,7 +33,6 @@ from pipelines import storage
 from pipelines.beam_io import (
     DEAD,
     RECORDS,
-    InputError,
     ParseDocuments,
     ReadRecords,
     write_dead_letters,
@@ -41,12 +40,9 @@ from pipelines.beam_io import (
 from pipelines.manifest import AccountingError, Manifest, ShardInfo, read_manifest
 from pipelines.stage import (
     DEFAULT_SHARDS,
-    StageError,
-    clear_output,
-    config_from_args,
-    pipeline_options,
-    setup_logging,
-    stage_argument_parser,
+    command_line,
+    log_finished,
+    prepare_run,
 )
 
 log = logging.getLogger(__name__)
@@ -181,15 +177,9 @@ def run_artifact_stage(
     beam_args: Sequence[str] = (),
 ) -> ArtifactRun:
     """Run an artifact stage as one Beam pipeline and return its manifest."""
-    if not inputs:
-        raise StageError(f"{stage}: at least one --input is required")
-    if num_shards < 1:
-        raise StageError(f"{stage}: --num_shards must be >= 1")
-    options = pipeline_options(beam_args)
+    options = prepare_run(stage, inputs, output, num_shards, beam_args)
     config_dict = dataclasses.asdict(config)
     started = time.monotonic()
-    clear_output(output)
-    log.info("stage %s: reading %s, writing %s", stage, inputs, output)
     with beam.Pipeline(options=options) as pipeline:
         read = pipeline | "ReadInputs" >> ReadRecords(inputs)
         ones_in = (
@@ -228,14 +218,7 @@ def run_artifact_stage(
         )
     manifest = read_manifest(output)
     seconds = time.monotonic() - started
-    log.info(
-        "stage %s: %d in, %d out, dropped %s (%.1fs)",
-        stage,
-        manifest.records_in,
-        manifest.records_out,
-        dict(manifest.dropped),
-        seconds,
-    )
+    log_finished(stage, manifest, seconds)
     return ArtifactRun(output, manifest, seconds)
 
 
@@ -255,16 +238,9 @@ def artifact_main(
     ``add_arguments(parser)`` adds stage flags; ``apply_arguments(config, args)`` folds them
     into the config, so the manifest records them like any other setting.
     """
-    setup_logging()
-    parser = stage_argument_parser(description)
-    if add_arguments is not None:
-        add_arguments(parser)
-    args, beam_args = parser.parse_known_args(argv)
-    try:
-        config = config_from_args(config_type, args.config)
-        if apply_arguments is not None:
-            config = apply_arguments(config, args)
-        run = run_artifact_stage(
+
+    def execute(config: Any, args: Any, beam_args: list[str]) -> ArtifactRun:
+        return run_artifact_stage(
             stage,
             kind,
             build,
@@ -274,7 +250,13 @@ def artifact_main(
             num_shards=args.num_shards,
             beam_args=beam_args,
         )
-    except (StageError, FileNotFoundError, InputError) as err:
-        parser.exit(2, f"{stage}: error: {err}\n")
-    print(run.manifest.to_json(), end="")
-    return run
+
+    return command_line(
+        stage,
+        description,
+        config_type,
+        execute,
+        argv,
+        add_arguments=add_arguments,
+        apply_arguments=apply_arguments,
+    )

@@ -27,6 +27,7 @@ word) across the network to save broadcasting a few megabytes.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,16 +38,13 @@ import numpy as np
 from apache_beam import pvalue
 
 from pipelines.beam_io import DEAD as READ_DEAD
-from pipelines.beam_io import RECORDS, InputError, ReadRecords
+from pipelines.beam_io import RECORDS, ReadRecords
 from pipelines.documents import Document, InvalidRecord, dead_letter, validate_document
 from pipelines.stage import (
     StageError,
     StageOutputs,
     StageRun,
-    config_from_args,
-    run_stage,
-    setup_logging,
-    stage_argument_parser,
+    stage_main,
 )
 from pipelines.text import ngram_hashes, token_hashes, words
 
@@ -263,33 +261,30 @@ def build(docs: beam.PCollection, config: DecontaminateConfig) -> StageOutputs:
     return StageOutputs(checked["kept"], checked[DEAD], extra)
 
 
-def main(argv: Sequence[str] | None = None) -> StageRun:
-    """The shared stage CLI plus ``--eval_set`` (repeatable), appended to ``eval_sets``."""
-    setup_logging()
-    parser = stage_argument_parser(__doc__ or STAGE)
+def _add_eval_set(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval_set",
         action="append",
         default=[],
         help="eval set documents: JSONL(.gz) file, glob or stage output; repeatable",
     )
-    args, beam_args = parser.parse_known_args(argv)
-    try:
-        config = config_from_args(DecontaminateConfig, args.config)
-        config = dataclasses.replace(config, eval_sets=(*config.eval_sets, *args.eval_set))
-        run = run_stage(
-            STAGE,
-            build,
-            config,
-            args.input,
-            args.output,
-            num_shards=args.num_shards,
-            beam_args=beam_args,
-        )
-    except (StageError, FileNotFoundError, InputError) as err:
-        parser.exit(2, f"{STAGE}: error: {err}\n")
-    print(run.manifest.to_json(), end="")
-    return run
+
+
+def _apply_eval_set(config: DecontaminateConfig, args: argparse.Namespace) -> DecontaminateConfig:
+    return dataclasses.replace(config, eval_sets=(*config.eval_sets, *args.eval_set))
+
+
+def main(argv: Sequence[str] | None = None) -> StageRun:
+    """The shared stage CLI plus ``--eval_set`` (repeatable), appended to ``eval_sets``."""
+    return stage_main(
+        STAGE,
+        __doc__ or STAGE,
+        DecontaminateConfig,
+        build,
+        argv,
+        add_arguments=_add_eval_set,
+        apply_arguments=_apply_eval_set,
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
@@ -155,6 +155,31 @@ def clear_output(output: str) -> None:
     storage.makedirs(output)
 
 
+def prepare_run(
+    stage: str, inputs: Sequence[str], output: str, num_shards: int, beam_args: Sequence[str]
+) -> PipelineOptions:
+    """Checks and set-up shared by every stage run; returns the Beam options."""
+    if not inputs:
+        raise StageError(f"{stage}: at least one --input is required")
+    if num_shards < 1:
+        raise StageError(f"{stage}: --num_shards must be >= 1")
+    options = pipeline_options(beam_args)
+    clear_output(output)
+    log.info("stage %s: reading %s, writing %s", stage, list(inputs), output)
+    return options
+
+
+def log_finished(stage: str, manifest: Manifest, seconds: float) -> None:
+    log.info(
+        "stage %s: %d in, %d out, dropped %s (%.1fs)",
+        stage,
+        manifest.records_in,
+        manifest.records_out,
+        dict(manifest.dropped),
+        seconds,
+    )
+
+
 def run_stage(
     stage: str,
     build: Build,
@@ -171,15 +196,9 @@ def run_stage(
     ``raw_records`` hands ``build`` the undecoded ``(origin, object)`` pairs (ingest needs
     them: raw records have no ids yet); other stages get validated documents.
     """
-    if not inputs:
-        raise StageError(f"{stage}: at least one --input is required")
-    if num_shards < 1:
-        raise StageError(f"{stage}: --num_shards must be >= 1")
-    options = pipeline_options(beam_args)
+    options = prepare_run(stage, inputs, output, num_shards, beam_args)
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     started = time.monotonic()
-    clear_output(output)
-    log.info("stage %s: reading %s, writing %s", stage, inputs, output)
     with beam.Pipeline(options=options) as pipeline:
         read = pipeline | "ReadInputs" >> ReadRecords(inputs)
         records_in = read[RECORDS] | "CountRecords" >> beam.combiners.Count.Globally()
@@ -223,14 +242,7 @@ def run_stage(
         )
     manifest = read_manifest(output)
     seconds = time.monotonic() - started
-    log.info(
-        "stage %s: %d in, %d out, dropped %s (%.1fs)",
-        stage,
-        manifest.records_in,
-        manifest.records_out,
-        dict(manifest.dropped),
-        seconds,
-    )
+    log_finished(stage, manifest, seconds)
     return StageRun(output, manifest, seconds)
 
 
@@ -261,6 +273,45 @@ def stage_argument_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+class _Run(Protocol):
+    manifest: Manifest
+
+
+RunT = TypeVar("RunT", bound=_Run)
+
+
+def command_line(
+    stage: str,
+    description: str,
+    config_type: type,
+    execute: Callable[[Any, argparse.Namespace, list[str]], RunT],
+    argv: Sequence[str] | None = None,
+    *,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    apply_arguments: Callable[[Any, argparse.Namespace], Any] | None = None,
+) -> RunT:
+    """The command line every stage shares; unknown flags are Beam pipeline options.
+
+    ``add_arguments(parser)`` adds stage flags; ``apply_arguments(config, args)`` folds them
+    into the config, so the manifest records them like any other setting. Errors a user can
+    fix exit with status 2 and one line, not a traceback.
+    """
+    setup_logging()
+    parser = stage_argument_parser(description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args, beam_args = parser.parse_known_args(argv)
+    try:
+        config = config_from_args(config_type, args.config)
+        if apply_arguments is not None:
+            config = apply_arguments(config, args)
+        run = execute(config, args, beam_args)
+    except (StageError, FileNotFoundError, InputError) as err:
+        parser.exit(2, f"{stage}: error: {err}\n")
+    print(run.manifest.to_json(), end="")
+    return run
+
+
 def stage_main(
     stage: str,
     description: str,
@@ -268,14 +319,14 @@ def stage_main(
     build: Build,
     argv: Sequence[str] | None = None,
     raw_records: bool = False,
+    *,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    apply_arguments: Callable[[Any, argparse.Namespace], Any] | None = None,
 ) -> StageRun:
-    """Command-line entry shared by the stages; unknown flags are Beam pipeline options."""
-    setup_logging()
-    parser = stage_argument_parser(description)
-    args, beam_args = parser.parse_known_args(argv)
-    try:
-        config = config_from_args(config_type, args.config)
-        run = run_stage(
+    """Command-line entry of a document stage."""
+
+    def execute(config: Any, args: argparse.Namespace, beam_args: list[str]) -> StageRun:
+        return run_stage(
             stage,
             build,
             config,
@@ -285,7 +336,13 @@ def stage_main(
             beam_args=beam_args,
             raw_records=raw_records,
         )
-    except (StageError, FileNotFoundError, InputError) as err:
-        parser.exit(2, f"{stage}: error: {err}\n")
-    print(run.manifest.to_json(), end="")
-    return run
+
+    return command_line(
+        stage,
+        description,
+        config_type,
+        execute,
+        argv,
+        add_arguments=add_arguments,
+        apply_arguments=apply_arguments,
+    )
