@@ -1,0 +1,273 @@
+"""The run's step graph: a pure function of the run form (Marin's executor, on Airflow).
+
+Every task rebuilds the same graph from the run's params and picks its own steps, so versions
+agree across tasks, processes and machines without passing them through XCom. A step's
+version covers what it computes (stage config, raw input content, upstream versions); how it
+runs (runner, workers, accelerator, backend, fault injection) is unversioned.
+
+Raw inputs enter the versions by *content* (sha256), not only by path: refetched corpora
+with new bytes give new versions, unchanged ones keep every downstream cache hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from operators.params import sources_of
+from operators.settings import data_dir
+from operators.steps import Step, output_of
+
+# What each stage's output is, for lineage.
+DATASET, TOKENIZER, TOKEN_STORE = "dataset", "tokenizer", "token_store"
+EVAL_STORES = ("lambada",)  # eval sets tokenized as held-out prose (data/eval/<name>.jsonl.gz)
+LAMBADA_PREFIX = "eval-"
+# A stage clears its --output directory before writing, so it writes below the step's output
+# directory, never into it: the step's status marker and lease files must survive.
+STAGE_OUT = "output"
+
+
+def stage_output(step: Step, subpath: str = "") -> Any:
+    """Reference a Beam stage step's output directory (or a file in it)."""
+    return output_of(step, f"{STAGE_OUT}/{subpath}" if subpath else STAGE_OUT)
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One Beam stage run: a step plus how to call ``python -m pipelines.<stage>``.
+
+    ``options`` values may hold :class:`~operators.steps.OutputRef` (resolved per root);
+    they are the stage's command-line options (``input``, ``eval_set``, ``tokenizer``...).
+    """
+
+    step: Step
+    stage: str
+    options: Mapping[str, Any]
+    output_type: str
+    inputs: tuple[tuple[Any, str, str | None], ...] = ()  # (uri or OutputRef, type, role)
+
+
+@dataclass(frozen=True)
+class Graph:
+    stages: Mapping[str, tuple[StageStep, ...]]  # Airflow task id -> its Beam steps
+    split: Step
+    train: Step
+    evaluate: Step
+    train_stores: Mapping[str, Step] = field(default_factory=dict)
+    eval_stores: Mapping[str, Step] = field(default_factory=dict)
+    raw_inputs: Mapping[str, str] = field(default_factory=dict)
+    eval_sets: Mapping[str, str] = field(default_factory=dict)
+
+    def all_steps(self) -> list[Step]:
+        steps = [s.step for group in self.stages.values() for s in group]
+        return [*steps, self.split, self.train, self.evaluate]
+
+
+@lru_cache(maxsize=256)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def content_id(path: str) -> str:
+    """sha256 of a local file (memoised on size + mtime); a remote one's fsspec checksum."""
+    if "://" in path and not path.startswith("file://"):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path)
+        return f"fsspec:{fs.checksum(p)}"
+    st = os.stat(path)
+    return _sha256(path, st.st_size, st.st_mtime_ns)
+
+
+def raw_path(root: str, name: str) -> str:
+    return os.path.join(root, "raw", f"{name}.jsonl.gz")
+
+
+def eval_path(root: str, name: str) -> str:
+    return os.path.join(root, "eval", f"{name}.jsonl.gz")
+
+
+def eval_set_paths(root: str) -> dict[str, str]:
+    """Every eval set present under ``{data}/eval`` (decontamination checks them all)."""
+    folder = os.path.join(root, "eval")
+    if not os.path.isdir(folder):
+        return {}
+    return {
+        f[: -len(".jsonl.gz")]: os.path.join(folder, f)
+        for f in sorted(os.listdir(folder))
+        if f.endswith(".jsonl.gz")
+    }
+
+
+def build_graph(params: Mapping[str, Any]) -> Graph:
+    """The run's steps. Needs the raw and eval files present (the fetch task makes them)."""
+    data = data_dir(params.get("data_dir"))
+    sources = sources_of(params)
+    names = [s.name for s in sources]
+    stage_cfg = {k: dict(v) for k, v in params["stage_configs"].items()}
+    shards = int(params["num_shards"])
+    # How, not what: Beam runner and its settings never enter a version.
+    how = {"runner": params["runner"], "dataflow": dict(params.get("dataflow") or {})}
+
+    raw = {name: raw_path(data, name) for name in names}
+    evals = eval_set_paths(data)
+
+    def stage(
+        name: str,
+        options: dict[str, Any],
+        output_type: str = DATASET,
+        inputs: tuple[tuple[Any, str, str | None], ...] = (),
+        step_name: str | None = None,
+        versioned: Mapping[str, Any] | None = None,
+    ) -> StageStep:
+        # Local paths of raw files stay out of versions (content ids stand for them), so a
+        # checkout elsewhere, or the same bytes in a bucket, hits the same cache.
+        config = {
+            "stage": name,
+            "config": stage_cfg.get(name, {}),
+            "num_shards": shards,
+            **(options if versioned is None else versioned),
+        }
+        step = Step(step_name or name, config, unversioned=how)
+        return StageStep(step, name, {**options, "num_shards": shards}, output_type, inputs)
+
+    ingest = stage(
+        "ingest",
+        {"input": [raw[n] for n in names]},
+        inputs=tuple((raw[n], DATASET, None) for n in names),
+        versioned={"input_content": {n: content_id(raw[n]) for n in names}},
+    )
+    chain = [ingest]
+    for name in ("quality", "exact_dedup", "fuzzy_dedup"):
+        prev = chain[-1].step
+        chain.append(
+            stage(
+                name, {"input": [stage_output(prev)]}, inputs=((stage_output(prev), DATASET, None),)
+            )
+        )
+    prev = chain[-1].step
+    decon = stage(
+        "decontaminate",
+        {"input": [stage_output(prev)], "eval_set": list(evals.values())},
+        inputs=(
+            (stage_output(prev), DATASET, None),
+            *((p, DATASET, "eval_set") for p in evals.values()),
+        ),
+        versioned={
+            "input": [stage_output(prev)],
+            "eval_content": {n: content_id(p) for n, p in evals.items()},
+        },
+    )
+    split = Step(
+        "split",
+        {
+            "input": stage_output(decon.step),
+            "sources": names,
+            "heldout_fraction": float(params["heldout_fraction"]),
+            "min_heldout_chars": 20_000,
+        },
+    )
+
+    def split_file(kind: str, name: str) -> Any:
+        return output_of(split, f"{kind}/{name}.jsonl.gz")
+
+    tok = stage(
+        "train_tokenizer",
+        {"input": [split_file("train", n) for n in names]},
+        output_type=TOKENIZER,
+        inputs=tuple((split_file("train", n), DATASET, None) for n in names),
+    )
+    tokenizer = stage_output(tok.step)
+    tokenize: list[StageStep] = []
+    train_stores: dict[str, Step] = {}
+    eval_stores: dict[str, Step] = {}
+    for kind in ("train", "heldout"):
+        for n in names:
+            s = stage(
+                "tokenize",
+                {"input": [split_file(kind, n)], "tokenizer": tokenizer},
+                output_type=TOKEN_STORE,
+                inputs=((split_file(kind, n), DATASET, None), (tokenizer, TOKENIZER, "tokenizer")),
+                step_name=f"tokens/{kind}/{n}",
+            )
+            tokenize.append(s)
+            (train_stores if kind == "train" else eval_stores)[
+                n if kind == "train" else f"heldout-{n}"
+            ] = s.step
+    for e in EVAL_STORES:
+        if e not in evals:
+            continue
+        s = stage(
+            "tokenize",
+            {"input": [evals[e]], "tokenizer": tokenizer},
+            output_type=TOKEN_STORE,
+            inputs=((evals[e], DATASET, None), (tokenizer, TOKENIZER, "tokenizer")),
+            step_name=f"tokens/eval/{e}",
+            versioned={"input_content": content_id(evals[e]), "tokenizer": tokenizer},
+        )
+        tokenize.append(s)
+        eval_stores[f"{LAMBADA_PREFIX}{e}"] = s.step
+
+    weights = {s.name: s.weight for s in sources}
+    train = Step(
+        "train",
+        {
+            "model": {"preset": params["model_preset"]},
+            "steps": int(params["steps"]),
+            "batch_size": int(params["batch_size"]),
+            "seq_len": int(params["seq_len"]),
+            "seed": int(params["seed"]),
+            "optimizer": {
+                "learning_rate": float(params["learning_rate"]),
+                "warmup_steps": int(params["warmup_steps"]),
+            },
+            "sources": [
+                {"name": n, "path": stage_output(train_stores[n]), "weight": weights[n]}
+                for n in names
+            ],
+        },
+        unversioned={
+            "accelerator": params["accelerator"],
+            "topology": params["topology"],
+            "slices": int(params["slices"]),
+            "backend": params["backend"],
+            "image": params["image"],
+            "fail_at_step": int(params["fail_at_step"]),
+        },
+    )
+    evaluate = Step(
+        "evaluate",
+        {
+            "train": output_of(train),
+            "stores": {k: stage_output(v) for k, v in eval_stores.items()},
+            "tokenizer": stage_output(tok.step, "tokenizer.model"),
+            "max_tokens": int(params["eval_max_tokens"]),
+        },
+        unversioned={"backend": params["backend"], "image": params["image"]},
+    )
+    return Graph(
+        stages={
+            "ingest": (ingest,),
+            "quality": (chain[1],),
+            "exact_dedup": (chain[2],),
+            "fuzzy_dedup": (chain[3],),
+            "decontaminate": (decon,),
+            "train_tokenizer": (tok,),
+            "tokenize": tuple(tokenize),
+        },
+        split=split,
+        train=train,
+        evaluate=evaluate,
+        train_stores=train_stores,
+        eval_stores=eval_stores,
+        raw_inputs=raw,
+        eval_sets=evals,
+    )

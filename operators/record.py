@@ -1,0 +1,158 @@
+"""The run's last task (``trigger_rule="all_done"``): the run summary, whatever happened.
+
+Callbacks do not fire for tasks killed from outside, so this task closes the gap: it marks
+executions still RUNNING in this run CANCELED, then writes a summary to lineage (an execution
+``record`` with a ``run_summary`` artifact, also ``{root}/runs/<run_id>/summary.json``):
+
+* every step with its state in this run (COMPLETE, CACHED, FAILED, CANCELED, or not run)
+  and its marker on storage;
+* which step failed and why (the first failure in pipeline order; later ones listed too);
+* what a rerun would skip (SUCCESS markers: cache hits), what it would rerun, and where the
+  training would resume (its last committed checkpoint).
+
+It then fails if anything upstream failed: as the DAG's only leaf, a success here would
+otherwise mark a failed run successful.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from operators.step_lineage import StepLineageMixin
+
+_OK = ("COMPLETE", "CACHED")
+
+
+def _task_states(context: Any) -> dict[str, str]:
+    ti = context.get("ti")
+    try:
+        states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])
+    except Exception:  # outside a supervised task (unit tests)
+        return {}
+    states = states.get(ti.run_id, states) if isinstance(states, dict) else {}
+    return {k: str(v) for k, v in states.items() if v is not None}
+
+
+class RecordRunOperator(StepLineageMixin, BaseOperator):
+    ui_color = "#eeeeee"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("task_id", "record")
+        kwargs.setdefault("trigger_rule", "all_done")
+        super().__init__(**kwargs)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        summary = self.summarize(context)
+        self.log.info("run summary:\n%s", json.dumps(summary, indent=2, default=str))
+        if summary["failed"]:
+            first = summary["failed"][0]
+            raise AirflowFailException(
+                f"run {summary['run_id']} failed at {first['step']}: {first['error']}"
+            )
+        return summary
+
+    def summarize(self, context: Any) -> dict[str, Any]:
+        from operators.graph import build_graph
+        from operators.lineage import ExecutionState
+        from operators.steps import probe
+        from operators.training import last_checkpoint
+
+        run_id = context.get("run_id")
+        params = self.run_params(context)
+        root = self.steps_root()
+        store = self.lineage_store()
+        try:
+            canceled = store.cancel_running(run_id, "task ended without reporting (killed?)")
+            try:
+                graph_run = store.run_graph(run_id)
+                executions = [node.execution for node in graph_run.steps]
+            except Exception:  # no execution at all in this run (failed before any)
+                executions = []
+            latest = {}
+            for ex in executions:  # start order: the last attempt of each step wins
+                latest[ex.name] = ex
+            try:
+                steps = build_graph(params).all_steps()
+            except Exception as exc:  # corpora missing: fetch failed
+                steps = []
+                graph_error = f"{type(exc).__name__}: {exc}"
+            else:
+                graph_error = None
+            rows, failed, rerun, skip = [], [], [], []
+            for ex in executions:
+                if ex.name not in [s.name for s in steps] and ex.state == ExecutionState.FAILED:
+                    failed.append({"step": ex.name, "error": ex.error})  # e.g. fetch
+            for step in steps:
+                ex = latest.get(step.name)
+                marker = probe(root, step).status
+                marker_status = str(marker.status) if marker else None
+                state = str(ex.state) if ex else "NOT_RUN"
+                rows.append(
+                    {
+                        "step": step.key,
+                        "state": state,
+                        "marker": marker_status,
+                        "error": ex.error if ex else None,
+                    }
+                )
+                if state in ("FAILED", "CANCELED"):
+                    failed.append({"step": step.name, "error": ex.error})
+                (skip if marker_status == "SUCCESS" else rerun).append(step.key)
+            task_states = _task_states(context)
+            failed_tasks = sorted(
+                t for t, s in task_states.items() if s in ("failed", "upstream_failed")
+            )
+            if not failed and failed_tasks:
+                failed.append(
+                    {"step": failed_tasks[0], "error": f"task {task_states[failed_tasks[0]]}"}
+                )
+            if graph_error and not failed:
+                failed.append({"step": "fetch", "error": graph_error})
+            train = next((s for s in steps if s.name == "train"), None)
+            resume = None
+            if train is not None and "train" not in [s.split("-")[0] for s in skip]:
+                from operators.steps import output_path
+
+                ckpt = last_checkpoint(output_path(root, train))
+                resume = {"step": ckpt[0], "checkpoint": ckpt[1]} if ckpt else None
+            summary = {
+                "run_id": run_id,
+                "pipeline": self.dag_id,
+                "state": "FAILED" if failed else "SUCCESS",
+                "failed": failed,
+                "steps": rows,
+                "task_states": task_states,
+                "canceled_executions": canceled,
+                "resume": {
+                    "skipped_on_rerun": skip,
+                    "rerun": rerun,
+                    "training_resumes_from": resume,
+                },
+            }
+            path = self._write_summary(run_id, summary)
+            execution = store.start_execution("record", run_id=run_id, pipeline=self.dag_id)
+            store.record_output(execution, path, "run_summary", properties=summary)
+            store.finish_execution(execution, properties={"state": summary["state"]})
+            summary["summary_path"] = path
+            return summary
+        finally:
+            store.close()
+
+    @staticmethod
+    def _write_summary(run_id: str, summary: dict[str, Any]) -> str:
+        import fsspec
+
+        from operators.settings import storage_root
+        from operators.steps import join
+
+        safe = "".join(c if c.isalnum() or c in "-_.+" else "_" for c in run_id)
+        path = join(storage_root(), "runs", safe, "summary.json")
+        fs, p = fsspec.core.url_to_fs(path)
+        fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(p, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+        return path

@@ -1,0 +1,219 @@
+"""What every Slipway operator shares: run a step under the step model, record lineage.
+
+For each step a task runs:
+
+1. a lineage execution starts RUNNING (run id = the DAG run's, pipeline = the DAG id), with
+   the step's version, its output path and its unversioned settings;
+2. :class:`~operators.steps.StepRunner` runs it: a SUCCESS marker means a cache hit (recorded
+   CACHED, nothing recomputed), otherwise the work runs under a heartbeat lease;
+3. the execution ends COMPLETE / CACHED with its input and output artifacts (counts from the
+   manifest), FAILED with the error (and whatever ``failure_properties`` adds, e.g. the last
+   checkpoint), or CANCELED when Airflow terminated the task.
+
+The same inputs and outputs feed the OpenLineage provider through
+``get_openlineage_facets_on_start/complete/failure``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from operators.steps import (
+    Outcome,
+    OutputRef,
+    Step,
+    StepResult,
+    StepRunner,
+    StepSpec,
+    join,
+    output_path,
+)
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 120.0  # a task's heartbeat renews it every 40 s
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """An input or output of a step: a URI (or an upstream output), its type and role."""
+
+    uri: Any  # str or OutputRef
+    type: str
+    role: str | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)  # counts, content_hash, config
+
+
+def resolve_uri(uri: Any, root: str) -> str:
+    if isinstance(uri, OutputRef):
+        return join(output_path(root, uri.step), uri.subpath)
+    return str(uri)
+
+
+def _terminated(exc: BaseException) -> bool:
+    try:
+        from airflow.sdk.exceptions import AirflowTaskTerminated
+    except ImportError:  # pragma: no cover - airflow is a dependency
+        return isinstance(exc, KeyboardInterrupt)
+    return isinstance(exc, AirflowTaskTerminated | KeyboardInterrupt)
+
+
+class StepLineageMixin:
+    """Mixed into operators; needs ``self.task_id`` and ``self.dag_id`` (BaseOperator)."""
+
+    # Filled while executing, read by the OpenLineage methods.
+    _ol_inputs: list[str]
+    _ol_outputs: list[str]
+
+    # -- settings (late imports: nothing here may slow DAG parsing) ---------------------------
+
+    @staticmethod
+    def steps_root() -> str:
+        from operators.settings import steps_root
+
+        return steps_root()
+
+    @staticmethod
+    def lineage_store() -> Any:
+        from operators.lineage import LineageStore
+        from operators.settings import lineage_url
+
+        return LineageStore(lineage_url())
+
+    @staticmethod
+    def run_params(context: Mapping[str, Any]) -> dict[str, Any]:
+        params = context.get("params") or {}
+        return dict(params.items()) if hasattr(params, "items") else dict(params)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run_step(
+        self,
+        context: Mapping[str, Any],
+        step: Step,
+        fn: Callable[[StepSpec], Any],
+        *,
+        inputs: Iterable[ArtifactRef] = (),
+        outputs: Callable[[StepSpec, StepResult], Iterable[ArtifactRef]] = lambda s, r: (),
+        failure_properties: Callable[[StepSpec], Mapping[str, Any]] = lambda s: {},
+        runner: StepRunner | None = None,
+        output_subpath: str = "",
+    ) -> StepResult:
+        from operators.lineage import ExecutionState
+        from operators.steps import resolve
+
+        root = runner.root if runner else self.steps_root()
+        runner = runner or StepRunner(root, lease_seconds=LEASE_SECONDS)
+        spec = resolve(step, root)
+        inputs = list(inputs)
+        self._remember_io(
+            [resolve_uri(a.uri, root) for a in inputs], [join(spec.output_path, output_subpath)]
+        )
+        store = self.lineage_store()
+        try:
+            execution = store.start_execution(
+                step.name,
+                run_id=context.get("run_id"),
+                pipeline=getattr(self, "dag_id", None),
+                step_version=step.version,
+                properties={
+                    "task_id": getattr(self, "task_id", None),
+                    "try_number": getattr(context.get("ti"), "try_number", None),
+                    "output": spec.output_path,
+                    "unversioned": dict(spec.unversioned),
+                },
+            )
+            for ref in inputs:
+                store.record_input(
+                    execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+                )
+            try:
+                result = runner.run(step, fn)
+            except BaseException as exc:
+                state = ExecutionState.CANCELED if _terminated(exc) else ExecutionState.FAILED
+                try:
+                    extra = dict(failure_properties(spec))
+                except Exception:  # the original error matters more
+                    log.exception("%s: could not collect failure properties", step.key)
+                    extra = {}
+                store.finish_execution(execution, state, error=exc, properties=extra)
+                raise
+            for ref in outputs(spec, result):
+                store.record_output(
+                    execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+                )
+            # WAITED: another runner computed it while we waited; either way nothing ran here.
+            cached = result.outcome in (Outcome.CACHED, Outcome.WAITED)
+            store.finish_execution(
+                execution,
+                ExecutionState.CACHED if cached else ExecutionState.COMPLETE,
+                properties={"outcome": str(result.outcome)},
+            )
+            self.log_step(step, result)
+            return result
+        finally:
+            store.close()
+
+    def log_step(self, step: Step, result: StepResult) -> None:
+        logger = getattr(self, "log", log)
+        if result.outcome in (Outcome.CACHED, Outcome.WAITED):
+            logger.info(
+                "%s: %s, output %s already SUCCESS: not recomputed",
+                step.key,
+                result.outcome,
+                result.spec.output_path,
+            )
+        else:
+            logger.info("%s: %s -> %s", step.key, result.outcome, result.spec.output_path)
+
+    # -- OpenLineage --------------------------------------------------------------------------
+
+    def _remember_io(self, inputs: list[str], outputs: list[str]) -> None:
+        if not hasattr(self, "_ol_inputs"):
+            self._ol_inputs, self._ol_outputs = [], []
+        self._ol_inputs.extend(u for u in inputs if u not in self._ol_inputs)
+        self._ol_outputs.extend(u for u in outputs if u not in self._ol_outputs)
+
+    def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """Inputs and outputs before running (for the START event); operators override."""
+        return [], []
+
+    def _openlineage(self) -> Any:
+        from airflow.providers.openlineage.extractors import OperatorLineage
+
+        inputs = getattr(self, "_ol_inputs", None)
+        outputs = getattr(self, "_ol_outputs", None)
+        if inputs is None:
+            try:
+                from airflow.sdk import get_current_context
+
+                inputs, outputs = self.planned_io(self.run_params(get_current_context()))
+            except Exception:  # no context (listener thread) or corpora not there yet
+                inputs, outputs = [], []
+        return OperatorLineage(
+            inputs=[ol_dataset(u) for u in inputs or []],
+            outputs=[ol_dataset(u) for u in outputs or []],
+        )
+
+    def get_openlineage_facets_on_start(self) -> Any:
+        return self._openlineage()
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any = None) -> Any:
+        return self._openlineage()
+
+    def get_openlineage_facets_on_failure(self, task_instance: Any = None) -> Any:
+        return self._openlineage()
+
+
+def ol_dataset(uri: str) -> Any:
+    """An OpenLineage Dataset named per the spec: ``gs://bucket`` + path, or ``file`` + path."""
+    from airflow.providers.common.compat.openlineage.facet import Dataset
+
+    if "://" in uri and not uri.startswith("file://"):
+        scheme, rest = uri.split("://", 1)
+        bucket, _, path = rest.partition("/")
+        return Dataset(namespace=f"{scheme}://{bucket}", name=path or "/")
+    return Dataset(namespace="file", name=uri.removeprefix("file://"))

@@ -1,0 +1,169 @@
+"""Tiny synthetic corpora and a matching run form, for the pipeline DAG's tests and demos."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "a",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "been",
+    "one",
+    "all",
+    "we",
+    "their",
+    "has",
+    "would",
+    "when",
+    "if",
+    "river",
+    "mountain",
+    "harbour",
+    "ship",
+    "timber",
+    "sail",
+    "rope",
+    "hull",
+    "keel",
+    "mast",
+    "deck",
+    "captain",
+    "crew",
+    "voyage",
+    "storm",
+    "wind",
+    "wave",
+    "tide",
+    "island",
+    "coast",
+    "village",
+    "market",
+    "bread",
+    "cheese",
+    "apple",
+    "garden",
+    "winter",
+    "summer",
+    "morning",
+    "evening",
+    "letter",
+    "story",
+    "history",
+    "science",
+    "music",
+    "painting",
+    "window",
+    "door",
+    "table",
+    "chair",
+    "teacher",
+    "student",
+    "engine",
+    "railway",
+    "station",
+    "bridge",
+    "tower",
+    "castle",
+    "forest",
+    "meadow",
+    "valley",
+    "lantern",
+]
+
+
+def _sentence(rng: random.Random) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(8, 16))]
+    return " ".join(words).capitalize() + "."
+
+
+def _documents(source: str, n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        text = "\n".join(
+            " ".join(_sentence(rng) for _ in range(rng.randint(3, 5)))
+            for _ in range(rng.randint(2, 4))
+        )
+        docs.append({"id": f"{source}-{i:04d}", "text": text, "source": source, "metadata": {}})
+    return docs
+
+
+def _write(path: Path, docs: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = "".join(json.dumps(d, sort_keys=True) + "\n" for d in docs).encode()
+    path.write_bytes(gzip.compress(body, mtime=0))
+
+
+def make_corpora(data_dir: Path, sources: tuple[str, ...] = ("brown", "fortunes")) -> Path:
+    for k, source in enumerate(sources):
+        _write(data_dir / "raw" / f"{source}.jsonl.gz", _documents(source, 60, k))
+    _write(data_dir / "eval" / "lambada.jsonl.gz", _documents("lambada", 20, 99))
+    return data_dir
+
+
+def tiny_conf(data_dir: Path, **overrides: object) -> dict:
+    """Run form for the tiny run: quality rules off (random text), small tokenizer and model."""
+    conf = {
+        "data_dir": str(data_dir),
+        "sources": [{"name": "brown", "weight": 0.7}, {"name": "fortunes", "weight": 0.3}],
+        "steps": 6,
+        "batch_size": 4,
+        "seq_len": 32,
+        "warmup_steps": 1,
+        "num_shards": 2,
+        "heldout_fraction": 0.1,
+        "eval_max_tokens": 512,
+        "stage_configs": {
+            "ingest": {},
+            "quality": {"sources": {"brown": {"enabled": False}, "fortunes": {"enabled": False}}},
+            "exact_dedup": {},
+            "fuzzy_dedup": {},
+            "decontaminate": {},
+            "train_tokenizer": {"vocab_size": 512},
+            "tokenize": {},
+        },
+    }
+    conf.update(overrides)
+    return conf
+
+
+if __name__ == "__main__":  # python -m operators.testing DIR -> prints the conf
+    import sys
+
+    d = make_corpora(Path(sys.argv[1]))
+    print(json.dumps(tiny_conf(d)))

@@ -1,0 +1,143 @@
+"""`airflow dags test slipway_pipeline` on tiny synthetic corpora, in a throwaway Airflow home.
+
+First run: every step COMPLETE in lineage. Second run: every step CACHED (nothing recomputed).
+Then fault injection: a new training config with ``fail_at_step`` fails the run at ``train``
+(lineage FAILED with the last checkpoint, the summary names the step), and running it again
+skips everything upstream and resumes training from that checkpoint.
+
+Costs: ``airflow db migrate`` ~7 s; the first run ~2 min on two shared cores (ten short Beam
+jobs, a JAX compile), cached runs ~30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from operators.testing import make_corpora, tiny_conf
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+REPO = Path(__file__).resolve().parents[2]
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+STEPS = {
+    "ingest",
+    "quality",
+    "exact_dedup",
+    "fuzzy_dedup",
+    "decontaminate",
+    "split",
+    "train_tokenizer",
+    "tokens/train/brown",
+    "tokens/train/fortunes",
+    "tokens/heldout/brown",
+    "tokens/heldout/fortunes",
+    "tokens/eval/lambada",
+    "train",
+    "evaluate",
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dag")
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(base / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "SLIPWAY_HOME": str(base / "home"),
+    }
+    env.pop("SLIPWAY_LINEAGE_DB", None)
+    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
+    env["_DATA"] = str(make_corpora(base / "data"))
+    return env
+
+
+def dags_test(env, **overrides) -> tuple[str, str]:
+    conf = tiny_conf(Path(env["_DATA"]), **overrides)
+    out = subprocess.run(
+        [AIRFLOW, "dags", "test", "slipway_pipeline", "-c", json.dumps(conf)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    log = out.stdout + out.stderr
+    from operators.lineage import LineageStore
+
+    with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
+        run_id = store.runs()[0].run_id  # newest first
+    return run_id, log
+
+
+def states(env, run_id) -> tuple[dict[str, str], dict]:
+    from operators.lineage import LineageStore
+
+    with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
+        graph = store.run_graph(run_id)
+    latest = {}
+    for node in graph.steps:
+        latest[node.execution.name] = node
+    return {name: str(node.execution.state) for name, node in latest.items()}, latest
+
+
+def test_first_run_completes_and_second_is_cached(env):
+    run1, log = dags_test(env)
+    s1, nodes = states(env, run1)
+    assert {k: v for k, v in s1.items() if k in STEPS} == dict.fromkeys(STEPS, "COMPLETE"), log[
+        -5000:
+    ]
+    assert s1["fetch"] == "COMPLETE" and s1["record"] == "COMPLETE"
+    ckpt = [o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint"]
+    assert ckpt and ckpt[0].counts["loss_end"] is not None
+    evals = {o.role: o.artifact.counts for o in nodes["evaluate"].outputs}
+    assert set(evals) == {"heldout-brown", "heldout-fortunes", "eval-lambada"}
+    assert all(c["loss"] > 0 for c in evals.values())
+    counts = next(o.artifact.counts for o in nodes["ingest"].outputs)
+    assert counts["records_in"] == 120
+
+    run2, log = dags_test(env)
+    assert run2 != run1
+    s2, _ = states(env, run2)
+    assert {k: v for k, v in s2.items() if k in STEPS} == dict.fromkeys(STEPS, "CACHED"), log[
+        -5000:
+    ]
+
+
+def test_injected_training_fault_fails_the_run_and_a_rerun_resumes(env):
+    # A new seed is a new training step (upstream stays cached); enough steps to stop midway.
+    run, log = dags_test(env, seed=7, steps=300, fail_at_step=5)
+    s, nodes = states(env, run)
+    assert s["train"] == "FAILED", log[-5000:]
+    assert "fail_at_step=5" in nodes["train"].execution.error
+    props = nodes["train"].execution.properties
+    assert props["resumable"] and props["last_checkpoint_step"] >= 5
+    assert s["tokens/train/brown"] == "CACHED"
+    assert "evaluate" not in s  # upstream failed: never started
+    from operators.lineage import LineageStore
+
+    with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
+        summary = next(
+            o.artifact.properties
+            for node in store.run_graph(run).steps
+            if node.execution.name == "record"
+            for o in node.outputs
+        )
+    assert summary["state"] == "FAILED"
+    assert summary["failed"][0]["step"] == "train"
+    assert summary["resume"]["training_resumes_from"]["step"] == props["last_checkpoint_step"]
+
+    rerun, log = dags_test(env, seed=7, steps=300, fail_at_step=5)
+    s, nodes = states(env, rerun)
+    assert s["train"] == "COMPLETE", log[-5000:]
+    assert s["evaluate"] == "COMPLETE"
+    assert s["ingest"] == "CACHED"
+    ckpt = next(o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint")
+    assert ckpt.uri.endswith("step-000000300")
+    assert "resuming from checkpoint" in log

@@ -1,0 +1,271 @@
+"""Pipeline operators without Airflow's runner: step versions, cache hits, lineage records."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from operators.testing import make_corpora, tiny_conf
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def params(tmp_path):
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import pipeline_params
+
+    p = ParamsDict()
+    p.update(pipeline_params())
+    p.update(tiny_conf(make_corpora(tmp_path / "data")))
+    return p.validate()
+
+
+def _context(params, run_id="manual__1"):
+    return {"params": params, "run_id": run_id, "ti": None}
+
+
+def _store(home: Path):
+    from operators.lineage import LineageStore
+
+    return LineageStore(f"sqlite:///{home / 'lineage.db'}")
+
+
+# -- step graph -------------------------------------------------------------------------------
+
+
+def test_versions_are_a_function_of_what_is_computed(params):
+    from operators.graph import build_graph
+
+    a, b = build_graph(params), build_graph(dict(params))
+    assert [s.key for s in a.all_steps()] == [s.key for s in b.all_steps()]
+
+    # How it runs is not versioned.
+    how = build_graph({**params, "runner": "DataflowRunner", "accelerator": "v5p"})
+    assert [s.key for s in how.all_steps()] == [s.key for s in a.all_steps()]
+
+    # A stage config change re-versions that stage and everything downstream, nothing upstream.
+    configs = {**params["stage_configs"], "exact_dedup": {"min_paragraph_chars": 7}}
+    changed = build_graph({**params, "stage_configs": configs})
+    assert changed.stages["quality"][0].step.key == a.stages["quality"][0].step.key
+    assert changed.stages["exact_dedup"][0].step.key != a.stages["exact_dedup"][0].step.key
+    assert changed.train.key != a.train.key
+
+    # Training knobs re-version training and evaluation only.
+    lr = build_graph({**params, "learning_rate": 1e-3})
+    assert lr.stages["tokenize"][0].step.key == a.stages["tokenize"][0].step.key
+    assert lr.train.key != a.train.key and lr.evaluate.key != a.evaluate.key
+
+
+def test_raw_inputs_are_versioned_by_content(params, tmp_path):
+    from operators.graph import build_graph
+
+    before = build_graph(params).stages["ingest"][0].step.key
+    raw = Path(params["data_dir"]) / "raw" / "brown.jsonl.gz"
+    raw.write_bytes(gzip.compress(b'{"id": "x", "text": "new bytes", "source": "brown"}\n'))
+    assert build_graph(params).stages["ingest"][0].step.key != before
+
+
+def test_stages_write_below_the_step_directory(params):
+    # A stage clears its --output: it must never be the directory holding the step marker.
+    from operators.graph import STAGE_OUT, build_graph
+
+    for group in build_graph(params).stages.values():
+        for s in group:
+            assert "output" not in s.options
+    assert STAGE_OUT
+
+
+# -- Beam stage operator ----------------------------------------------------------------------
+
+
+class _FakeBeam:
+    """Stands in for BeamRunPythonPipelineOperator: writes a valid stage manifest."""
+
+    calls: ClassVar[list[dict]] = []
+
+    def __init__(self, options, fail=False):
+        self.options, self.fail = options, fail
+
+    def execute(self, context):
+        _FakeBeam.calls.append(self.options)
+        if self.fail:
+            raise RuntimeError("Apache Beam process failed with return code 2")
+        out = Path(self.options["output"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "manifest.json").write_text(
+            json.dumps(
+                {
+                    "stage": "ingest",
+                    "config": {},
+                    "inputs": self.options["input"],
+                    "records_in": 10,
+                    "records_out": 8,
+                    "dropped": {"empty_text": 2},
+                    "shards": [],
+                    "dead_letter_shards": [],
+                    "extra": {},
+                }
+            )
+        )
+
+    def on_kill(self):
+        pass
+
+
+def _beam_operator(monkeypatch, fail=False):
+    from operators.beam_stage import BeamStageOperator
+
+    _FakeBeam.calls = []
+    op = BeamStageOperator(stage_task="ingest")
+    monkeypatch.setattr(
+        op, "beam_operator", lambda stage, params, spec, options: _FakeBeam(options, fail)
+    )
+    return op
+
+
+def test_beam_stage_runs_then_hits_the_cache(home, params, monkeypatch):
+    from operators.lineage import ExecutionState
+
+    op = _beam_operator(monkeypatch)
+    first = op.execute(_context(params, "run-1"))
+    assert first[0]["outcome"] == "RAN" and len(_FakeBeam.calls) == 1
+    call = _FakeBeam.calls[0]
+    assert call["output"].endswith("/output")
+    assert json.loads(call["config"]) == {}
+    assert len(call["input"]) == 2  # brown and fortunes raw files
+
+    second = op.execute(_context(params, "run-2"))
+    assert second[0]["outcome"] == "CACHED" and len(_FakeBeam.calls) == 1  # no Beam job
+
+    with _store(home) as store:
+        (run1,) = store.run_graph("run-1").steps
+        (run2,) = store.run_graph("run-2").steps
+        assert run1.execution.state is ExecutionState.COMPLETE
+        assert run2.execution.state is ExecutionState.CACHED
+        out = run1.outputs[0].artifact
+        assert out.type == "dataset"
+        assert out.counts["records_in"] == 10 and out.counts["dropped"] == {"empty_text": 2}
+        assert {i.artifact.uri.rsplit("/", 1)[-1] for i in run1.inputs} == {
+            "brown.jsonl.gz",
+            "fortunes.jsonl.gz",
+        }
+
+
+def test_beam_stage_failure_is_recorded_and_rerun(home, params, monkeypatch):
+    from operators.lineage import ExecutionState
+
+    op = _beam_operator(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="return code 2"):
+        op.execute(_context(params, "run-1"))
+    with _store(home) as store:
+        (node,) = store.run_graph("run-1").steps
+        assert node.execution.state is ExecutionState.FAILED
+        assert "return code 2" in node.execution.error
+
+    op = _beam_operator(monkeypatch)  # a FAILED step reruns
+    assert op.execute(_context(params, "run-2"))[0]["outcome"] == "RAN"
+
+
+def test_openlineage_facets_name_inputs_and_outputs(home, params, monkeypatch):
+    op = _beam_operator(monkeypatch)
+    op.execute(_context(params))
+    facets = op.get_openlineage_facets_on_complete(None)
+    assert {d.name.rsplit("/", 1)[-1] for d in facets.inputs} == {
+        "brown.jsonl.gz",
+        "fortunes.jsonl.gz",
+    }
+    assert all(d.namespace == "file" for d in facets.inputs + facets.outputs)
+    assert facets.outputs[0].name.endswith("/output")
+
+
+# -- split --------------------------------------------------------------------------------------
+
+
+def test_split_is_deterministic_and_disjoint(tmp_path):
+    from operators.split import split_documents
+    from pipelines.manifest import Manifest, ShardInfo
+
+    stage = tmp_path / "stage"
+    (stage / "data").mkdir(parents=True)
+    docs = [
+        {"id": f"{s}-{i}", "text": "word " * 50, "source": s, "metadata": {}}
+        for s in ("a", "b")
+        for i in range(40)
+    ]
+    body = "".join(json.dumps(d) + "\n" for d in docs).encode()
+    (stage / "data" / "part-0.jsonl.gz").write_bytes(gzip.compress(body, mtime=0))
+    (stage / "manifest.json").write_text(
+        Manifest(
+            "decontaminate", {}, [], 80, 80, {}, [ShardInfo("data/part-0.jsonl.gz", 80, 0, "")], []
+        ).to_json()
+    )
+    out1, out2 = tmp_path / "o1", tmp_path / "o2"
+    r1 = split_documents(str(stage), str(out1), ["a", "b"], 0.1, 500)
+    split_documents(str(stage), str(out2), ["a"], 0.1, 500)
+    assert r1["sources"]["a"]["train"] + r1["sources"]["a"]["heldout"] == 40
+    # 500 chars needs 2 documents of 250; the fraction asks for 4.
+    assert r1["sources"]["a"]["heldout"] == 4
+
+    def ids(path):
+        return {json.loads(x)["id"] for x in gzip.decompress(path.read_bytes()).splitlines()}
+
+    held, train = ids(out1 / "heldout" / "a.jsonl.gz"), ids(out1 / "train" / "a.jsonl.gz")
+    assert not held & train
+    assert held == ids(out2 / "heldout" / "a.jsonl.gz")  # same documents, same split
+
+
+# -- training config and record -----------------------------------------------------------------
+
+
+def test_trainer_config_is_valid_for_the_trainer(params, tmp_path):
+    from operators.graph import build_graph
+    from operators.steps import resolve
+    from operators.training import trainer_config
+    from trainer.config import TrainConfig, from_dict, validate
+
+    spec = resolve(build_graph(params).train, str(tmp_path))
+    body = trainer_config(spec)
+    cfg = from_dict(TrainConfig, body)
+    validate(cfg)
+    assert cfg.output_dir == spec.output_path
+    assert [s.weight for s in cfg.data.sources] == [0.7, 0.3]
+    assert cfg.model.preset == "nano" and cfg.steps == 6
+
+
+def test_record_summarises_a_failed_run(home, params, monkeypatch):
+    from operators.record import RecordRunOperator
+
+    op = _beam_operator(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError):
+        op.execute(_context(params, "run-f"))
+    record = RecordRunOperator()
+    summary = record.summarize(_context(params, "run-f"))
+    assert summary["state"] == "FAILED"
+    assert summary["failed"][0]["step"] == "ingest"
+    assert "return code 2" in summary["failed"][0]["error"]
+    assert Path(summary["summary_path"]).exists()
+    assert any(k.startswith("ingest-") for k in summary["resume"]["rerun"])
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    with pytest.raises(AirflowFailException, match="failed at ingest"):
+        record.execute(_context(params, "run-f"))
+
+
+def test_gke_backend_slot_says_what_is_missing():
+    from operators.hooks.jobset import BackendUnavailable, JobSetHook
+
+    assert JobSetHook("local").get_backend().name == "local"
+    with pytest.raises(BackendUnavailable, match="not implemented yet"):
+        JobSetHook("gke").get_backend()
