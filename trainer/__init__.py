@@ -1,0 +1,1 @@
+"""Slipway trainer: JAX/Equinox/Optax training and evaluation (see docs/trainer.md)."""

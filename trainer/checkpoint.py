@@ -1,0 +1,240 @@
+"""Asynchronous, atomic TensorStore checkpoints of a pytree of (sharded) ``jax.Array``.
+
+Layout under the run's ``checkpoints/`` directory (local path or ``gs://``)::
+
+    step-000001200/
+        arrays/<leaf>/          zarr3 array per leaf, global shape, chunked by shard
+        process-00003.done      each process, once its shards are durable
+        commit.json             written last by process 0 once every process is done
+
+A checkpoint exists only once ``commit.json`` does (atomic on both POSIX rename and GCS object
+writes), so a kill at any moment leaves either the previous checkpoint or the new one. Deleting
+removes ``commit.json`` first for the same reason.
+
+Saving: the caller's thread copies this process's shards to host memory (``replica_id == 0``
+only, so replicated leaves are written once), then a single background thread writes them while
+training continues. At most one save is in flight; the next save (or ``wait``) joins it, so host
+memory holds at most one host copy of the state.
+
+Temporary checkpoints roll (the newest ``keep`` survive); permanent ones are never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import fsspec
+import jax
+import numpy as np
+import tensorstore as ts
+
+from tokenstore.store import _kvstore  # the one place that maps paths to TensorStore kvstores
+
+COMMIT = "commit.json"
+STEP_RE = re.compile(r"step-(\d{9})$")
+MAX_CHUNK_BYTES = 64 << 20
+
+
+def _fs(path: str):
+    return fsspec.core.url_to_fs(path)
+
+
+def step_dir(root: str, step: int) -> str:
+    return f"{root.rstrip('/')}/step-{step:09d}"
+
+
+def leaf_key(path) -> str:
+    key = jax.tree_util.keystr(path)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key.replace("[", ".").replace("]", "")).strip("._")
+
+
+def _chunk_shape(shape: tuple[int, ...], shard: tuple[int, ...], itemsize: int) -> list[int]:
+    """Chunks align with shards (no two processes ever write one chunk); big ones are split."""
+    chunk = [max(1, s) for s in shard] or [1]
+    if not shape:
+        return []
+    while np.prod(chunk) * itemsize > MAX_CHUNK_BYTES:
+        axis = int(np.argmax(chunk))
+        if chunk[axis] % 2:
+            break
+        chunk[axis] //= 2
+    return chunk
+
+
+def _spec(path: str, shape, dtype: np.dtype, chunk) -> dict[str, Any]:
+    return {
+        "driver": "zarr3",
+        "kvstore": _kvstore(path),
+        "metadata": {
+            "shape": list(shape),
+            "data_type": np.dtype(dtype).name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk) or []}},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        },
+        "create": True,
+        "open": True,
+    }
+
+
+def committed_steps(root: str) -> list[tuple[int, dict[str, Any]]]:
+    """Complete checkpoints (with their commit records), oldest first."""
+    fs, base = _fs(root)
+    if not fs.exists(base):
+        return []
+    out = []
+    for entry in fs.ls(base, detail=False):
+        m = STEP_RE.search(entry.rstrip("/"))
+        if not m:
+            continue
+        commit = f"{entry.rstrip('/')}/{COMMIT}"
+        if fs.exists(commit):
+            with fs.open(commit, "r") as f:
+                out.append((int(m.group(1)), json.load(f)))
+    return sorted(out, key=lambda t: t[0])
+
+
+def latest_step(root: str) -> int | None:
+    steps = committed_steps(root)
+    return steps[-1][0] if steps else None
+
+
+def _host_shards(tree) -> list[tuple[str, tuple, np.dtype, list]]:
+    """(key, global shape, dtype, [(index, host copy)]) for each leaf: this process's part."""
+    leaves = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        x = jax.numpy.asarray(x) if not isinstance(x, jax.Array) else x
+        parts = [
+            # copy: the device buffer may be donated. asarray (a zero-copy view on CPU) + copy
+            # is a memcpy; np.array(x, copy=True) takes a ~10x slower path.
+            (s.index, np.asarray(s.data).copy())
+            for s in x.addressable_shards
+            if s.replica_id == 0
+        ]
+        shard_shape = x.sharding.shard_shape(x.shape)
+        leaves.append((leaf_key(path), tuple(x.shape), np.dtype(x.dtype), shard_shape, parts))
+    return leaves
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep: int = 1,
+        async_save: bool = True,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        commit_timeout_s: float = 600.0,
+    ) -> None:
+        self.root = root.rstrip("/")
+        self.keep = keep
+        self.async_save = async_save
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        self.commit_timeout_s = commit_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self.last_save_s = 0.0  # wall time of the last completed write (background)
+        self.last_host_copy_s = 0.0  # time the training thread spent on the last save
+
+    # -- saving --------------------------------------------------------------------------
+
+    def save(self, step: int, tree, *, permanent: bool = False, meta: dict | None = None) -> None:
+        self.wait()  # one save in flight at most: bounded host memory
+        t0 = time.perf_counter()
+        leaves = _host_shards(tree)
+        self.last_host_copy_s = time.perf_counter() - t0
+        job = (step, leaves, permanent, dict(meta or {}))
+        if self.async_save:
+            self._pending = self._pool.submit(self._write, *job)
+        else:
+            self._write(*job)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a failed background save
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _write(self, step: int, leaves, permanent: bool, meta: dict) -> None:
+        t0 = time.perf_counter()
+        d = step_dir(self.root, step)
+        fs, base = _fs(d)
+        if self.process_index == 0 and fs.exists(f"{base}/{COMMIT}"):
+            fs.rm(f"{base}/{COMMIT}")  # re-saving a step (after a resume): invalidate first
+        ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+        futures = []
+        opened = []
+        for key, shape, dtype, shard_shape, parts in leaves:
+            chunk = _chunk_shape(shape, tuple(shard_shape), dtype.itemsize)
+            arr = ts.open(_spec(f"{d}/arrays/{key}", shape, dtype, chunk), context=ctx).result()
+            opened.append(arr)
+            for index, data in parts:
+                futures.append(arr[index].write(data) if shape else arr.write(data))
+        for f in futures:
+            f.result()
+        del futures, opened, leaves  # release the host copy before the (slow) commit wait
+        fs.makedirs(base, exist_ok=True)
+        with fs.open(f"{base}/process-{self.process_index:05d}.done", "w") as f:
+            f.write("ok\n")
+        if self.process_index == 0:
+            self._commit(fs, base, step, permanent, meta)
+        self.last_save_s = time.perf_counter() - t0
+
+    def _commit(self, fs, base: str, step: int, permanent: bool, meta: dict) -> None:
+        deadline = time.monotonic() + self.commit_timeout_s
+        for p in range(self.process_count):
+            while not fs.exists(f"{base}/process-{p:05d}.done"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"checkpoint {base}: process {p} never finished")
+                time.sleep(0.05 if "file" in fs.protocol else 0.5)  # gentle on GCS
+        record = {"step": step, "permanent": permanent, "time": time.time(), **meta}
+        tmp = f"{base}/{COMMIT}.tmp"
+        with fs.open(tmp, "w") as f:
+            json.dump(record, f)
+        fs.mv(tmp, f"{base}/{COMMIT}")  # rename: atomic locally; object stores write whole
+        self._prune(fs, step)
+
+    def _prune(self, fs, newest: int) -> None:
+        temporaries = [s for s, rec in committed_steps(self.root) if not rec.get("permanent")]
+        for s in temporaries[: max(0, len(temporaries) - self.keep)]:
+            if s == newest:
+                continue
+            _, base = _fs(step_dir(self.root, s))
+            fs.rm(f"{base}/{COMMIT}")  # invisible first, then gone
+            fs.rm(base, recursive=True)
+
+    # -- restoring ----------------------------------------------------------------------
+
+    def restore(self, step: int, target, prefix: str = ""):
+        """Read checkpoint ``step`` into the structure, shapes and shardings of ``target``
+        (a pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct`` with ``.sharding``). ``prefix``
+        selects a subtree: ``restore(step, params_target, "params.")`` reads only parameters."""
+        d = step_dir(self.root, step)
+        ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+        out = []
+        for path, t in flat:
+            spec = {"driver": "zarr3", "kvstore": _kvstore(f"{d}/arrays/{prefix}{leaf_key(path)}")}
+            arr = ts.open(spec, open=True, read=True, context=ctx).result()
+            if tuple(arr.shape) != tuple(t.shape):
+                raise ValueError(f"{leaf_key(path)}: checkpoint shape {arr.shape} != {t.shape}")
+            out.append(
+                jax.make_array_from_callback(
+                    tuple(t.shape),
+                    t.sharding,
+                    lambda idx, arr=arr, dt=t.dtype: np.asarray(arr[idx].read().result(), dt),
+                )
+            )
+        return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,102 @@
+"""Small token stores for tests, demos and benchmarks (written with the real token-store writer)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Sequence
+
+import numpy as np
+
+import tokenstore
+
+
+def stdlib_texts(max_bytes: int = 1 << 20, skip: int = 0) -> list[str]:
+    """Real text: Python standard-library sources, in a fixed order (skip = held-out offset)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))
+    texts, total = [], 0
+    for path in files[skip:]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        texts.append(text)
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def train_sentencepiece(texts: Sequence[str], vocab_size: int, model_dir: str) -> str:
+    """Train a small BPE sentencepiece model (EOS id 2); returns the model file path."""
+    import sentencepiece as spm
+
+    os.makedirs(model_dir, exist_ok=True)
+    prefix = os.path.join(model_dir, "sp")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(line for t in texts for line in t.splitlines() if line.strip()),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return prefix + ".model"
+
+
+def write_text_store(root: str, texts: Sequence[str], model_path: str, shards: int = 2) -> None:
+    """Tokenize documents (each + EOS) with a sentencepiece model into a finalized store.
+
+    The ledger's metadata records ``num_bytes`` (UTF-8 bytes of the text), which the evaluator
+    uses for bits-per-byte.
+    """
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model_path)
+    docs = [[*sp.encode(t), sp.eos_id()] for t in texts]
+    written = []
+    per = max(1, -(-len(docs) // shards))
+    for i in range(0, len(docs), per):
+        written.append(tokenstore.write_shard(root, f"shard-{i // per:05d}", docs[i : i + per]))
+    with open(model_path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    tokenstore.finalize(
+        root,
+        written,
+        vocab_size=sp.get_piece_size(),
+        eos_id=sp.eos_id(),
+        tokenizer_sha256=sha,
+        metadata={"num_bytes": int(sum(len(t.encode("utf-8")) for t in texts))},
+    )
+
+
+def write_random_store(
+    root: str, *, vocab_size: int = 64, num_docs: int = 400, seed: int = 0, shards: int = 2
+) -> None:
+    """Synthetic documents with a learnable structure (a noisy repeating cycle), EOS = 0."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(num_docs):
+        n = int(rng.integers(8, 120))
+        start = int(rng.integers(1, vocab_size))
+        seq = (start + np.arange(n) * 3) % (vocab_size - 1) + 1
+        noise = rng.random(n) < 0.1
+        seq[noise] = rng.integers(1, vocab_size, noise.sum())
+        docs.append([*seq.tolist(), 0])
+    per = -(-num_docs // shards)
+    written = [
+        tokenstore.write_shard(root, f"shard-{i:05d}", docs[i * per : (i + 1) * per])
+        for i in range(shards)
+    ]
+    tokenstore.finalize(
+        root, written, vocab_size=vocab_size, eos_id=0, tokenizer_sha256="synthetic"
+    )
+
+
+__all__ = ["stdlib_texts", "train_sentencepiece", "write_random_store", "write_text_store"]
