@@ -106,8 +106,10 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(cfg, len(devices))
-    if shape[0] > 1 and hasattr(devices[0], "slice_index"):
-        # multislice TPU: replica across slices (DCN), the rest inside a slice (ICI)
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if shape[0] > 1 and len(slices) > 1:
+        # Multislice TPU: replica across slices (DCN), the rest inside a slice (ICI). CPU and
+        # single-slice devices may carry slice_index too (all 0): they take the plain path.
         from jax.experimental import mesh_utils
 
         arr = mesh_utils.create_hybrid_device_mesh(

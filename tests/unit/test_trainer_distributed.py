@@ -78,3 +78,22 @@ def test_param_specs_follow_logical_axes():
     assert specs["w_down"] == P(None, "tensor", "fsdp")
     assert specs["embed"] == P("tensor", "fsdp")
     assert specs["weight"] == P(None)
+
+
+def test_replica_axis_on_devices_of_one_slice_uses_the_plain_mesh():
+    # CPU devices (and single-slice TPUs) may report slice_index 0 for every device: the
+    # replica axis then spans processes, not slices, and must not need a hybrid mesh.
+    from dataclasses import dataclass
+
+    from trainer.config import MeshConfig
+    from trainer.distributed import make_mesh
+
+    @dataclass(frozen=True)
+    class FakeDevice:  # a fake: only the attributes make_mesh reads
+        id: int
+        process_index: int
+        slice_index: int = 0
+
+    devices = [FakeDevice(i, i) for i in range(2)]
+    mesh = make_mesh(MeshConfig(replica=2, data=1, fsdp=1, tensor=1), devices)
+    assert mesh.devices.shape[0] == 2
