@@ -38,6 +38,7 @@ corpora: install
 # summary from lineage. A second `make demo` is all cache hits.
 AIRFLOW_ENV = AIRFLOW_HOME=$(abspath $(OUT))/airflow \
 	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
+	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
 	AIRFLOW__CORE__LOAD_EXAMPLES=False \
 	SLIPWAY_HOME=$(abspath $(OUT)) \
 	SLIPWAY_DATA_DIR=$(abspath $(DATA))

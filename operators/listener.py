@@ -1,0 +1,203 @@
+"""Airflow listener: task state changes made from outside a task, recorded in lineage.
+
+A step's own code records its outcome (``operators/step_lineage.py``), but a task marked
+failed or success from the UI or the REST API, or failed by the scheduler (heartbeat timeout,
+a killed worker), may never get to report: its lineage execution would stay RUNNING forever.
+Airflow calls these hooks wherever the state change happens (API server, scheduler, or the
+task's own process), and each closes this task's RUNNING executions in the run:
+
+* ``on_task_instance_failed`` -> FAILED, error ``task failed (from outside the task): <why>``;
+* ``on_task_instance_success`` / ``on_task_instance_skipped`` with executions still RUNNING
+  (marked from outside while running) -> CANCELED with the reason;
+* ``on_dag_run_success`` / ``on_dag_run_failed`` -> every execution of the run still RUNNING
+  is CANCELED (tasks killed with the run; the ``record`` task does the same at its end).
+
+When the task reported itself (the usual case) nothing is RUNNING any more and the hooks change
+nothing. If the task's own process is still alive it may record its own ending afterwards
+(e.g. FAILED "JobSet cancelled"); ``properties.closed_by = "listener"`` and
+``properties.listener_reason`` keep what happened from outside. A listener must never break
+Airflow: every hook logs and swallows its errors.
+
+Registered by ``plugins/slipway_plugin.py`` (``AirflowPlugin.listeners``); Airflow loads it
+from ``AIRFLOW__CORE__PLUGINS_FOLDER`` (see docs/orchestration.md, "Listener").
+Imports neither Airflow nor SQLAlchemy at module level: plugins load in every Airflow process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pluggy import HookimplMarker
+
+# The marker Airflow's listener manager uses (``airflow.listeners.hookimpl`` is this object).
+hookimpl = HookimplMarker("airflow")
+
+log = logging.getLogger(__name__)
+
+
+def _store() -> Any:
+    """The lineage store, or None where there is none yet: never create one for other DAGs."""
+    from operators.lineage import LineageStore, NotFound
+    from operators.settings import lineage_url
+
+    try:
+        return LineageStore(lineage_url(), create=False)
+    except NotFound:
+        return None
+
+
+def _running(store: Any, run_id: str) -> list[Any]:
+    from operators.lineage import ExecutionState, NotFound
+
+    try:
+        graph = store.run_graph(run_id)
+    except NotFound:  # nothing recorded for this run (failed before any step)
+        return []
+    return [n.execution for n in graph.steps if n.execution.state == ExecutionState.RUNNING]
+
+
+def _belongs_to(execution: Any, task_id: str, try_number: int | None) -> bool:
+    """An execution is the task's when ``properties.task_id`` (else its name) is the task id.
+
+    Steps record the task's try number: an execution of another try (a newer one, already
+    running after a clear) is left alone.
+    """
+    props = execution.properties or {}
+    if props.get("task_id", execution.name) != task_id:
+        return False
+    recorded = props.get("try_number")
+    return recorded is None or try_number is None or recorded == try_number
+
+
+def close_task_executions(
+    run_id: str | None,
+    task_id: str | None,
+    try_number: int | None,
+    state: str,
+    reason: str,
+) -> list[int]:
+    """Close the task's RUNNING executions in ``run_id`` with ``state``; returns their ids."""
+    if not run_id or not task_id:
+        return []
+    store = _store()
+    if store is None:
+        return []
+    try:
+        closed = []
+        for ex in _running(store, run_id):
+            if _belongs_to(ex, task_id, try_number):
+                store.finish_execution(
+                    ex.id,
+                    state,
+                    error=reason,
+                    properties={"closed_by": "listener", "listener_reason": reason},
+                )
+                closed.append(ex.id)
+        if closed:
+            log.info(
+                "slipway listener: %s %s/%s -> %s (%s)", closed, run_id, task_id, state, reason
+            )
+        return closed
+    finally:
+        store.close()
+
+
+def _ti_fields(task_instance: Any) -> tuple[str | None, str | None, int | None]:
+    try_number = getattr(task_instance, "try_number", None)
+    return (
+        getattr(task_instance, "run_id", None),
+        getattr(task_instance, "task_id", None),
+        try_number if isinstance(try_number, int) else None,
+    )
+
+
+def _safely(what: str, fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # a listener must never fail the scheduler, the API or the task
+        log.exception("slipway listener: %s failed", what)
+
+
+def _describe(error: Any) -> str:
+    if error is None:
+        return "no reason given"
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}"
+    return str(error)
+
+
+@hookimpl
+def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Any) -> None:
+    from operators.lineage import ExecutionState
+
+    run_id, task_id, try_number = _ti_fields(task_instance)
+    reason = f"task failed (from outside the task): {_describe(error)}"
+    _safely(
+        "on_task_instance_failed",
+        close_task_executions,
+        run_id,
+        task_id,
+        try_number,
+        ExecutionState.FAILED,
+        reason,
+    )
+
+
+@hookimpl
+def on_task_instance_success(previous_state: Any, task_instance: Any) -> None:
+    from operators.lineage import ExecutionState
+
+    run_id, task_id, try_number = _ti_fields(task_instance)
+    _safely(
+        "on_task_instance_success",
+        close_task_executions,
+        run_id,
+        task_id,
+        try_number,
+        ExecutionState.CANCELED,
+        "task marked success from outside while this step was running",
+    )
+
+
+@hookimpl
+def on_task_instance_skipped(previous_state: Any, task_instance: Any) -> None:
+    from operators.lineage import ExecutionState
+
+    run_id, task_id, try_number = _ti_fields(task_instance)
+    _safely(
+        "on_task_instance_skipped",
+        close_task_executions,
+        run_id,
+        task_id,
+        try_number,
+        ExecutionState.CANCELED,
+        "task skipped while this step was running",
+    )
+
+
+def _close_run(dag_run: Any, outcome: str, msg: Any) -> None:
+    run_id = getattr(dag_run, "run_id", None)
+    if not run_id:
+        return
+    store = _store()
+    if store is None:
+        return
+    try:
+        n = store.cancel_running(run_id, f"DAG run ended ({outcome}: {msg}) with this step running")
+        if n:
+            log.info(
+                "slipway listener: run %s ended %s, %d execution(s) CANCELED", run_id, outcome, n
+            )
+    finally:
+        store.close()
+
+
+@hookimpl
+def on_dag_run_success(dag_run: Any, msg: Any) -> None:
+    _safely("on_dag_run_success", _close_run, dag_run, "success", msg)
+
+
+@hookimpl
+def on_dag_run_failed(dag_run: Any, msg: Any) -> None:
+    _safely("on_dag_run_failed", _close_run, dag_run, "failed", msg)
