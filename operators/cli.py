@@ -3,6 +3,8 @@
     slipway lineage runs  [--db URL]           list recorded runs, newest first
     slipway lineage show  RUN_ID [--db URL]    a run as a tree of steps and artifacts
     slipway lineage trace URI [--db URL]       an artifact back to its raw inputs
+    slipway plan [--conf JSON|@FILE]           dry run: which steps a DAG run with this
+                                               conf would run, skip (cache hit) or wait for
 
 The database is ``--db``, else ``$SLIPWAY_LINEAGE_DB``, else
 ``sqlite:///<$SLIPWAY_HOME or ./out>/lineage.db``. No Airflow import: it runs anywhere.
@@ -34,7 +36,50 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("run_id")
     trace = actions.add_parser("trace", parents=[db], help="trace an artifact to raw inputs")
     trace.add_argument("uri")
+
+    plan = commands.add_parser(
+        "plan", help="dry run of slipway_pipeline for a run conf: run / skip / wait, and why"
+    )
+    plan.add_argument(
+        "--conf", default="{}", help="DAG run conf as JSON, or @path to a JSON file (form values)"
+    )
     return parser
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The same plan the DAG's first task logs, without running anything."""
+    import json
+
+    from operators.graph import build_graph
+    from operators.params import RunConfigError, check_run_config, pipeline_params
+    from operators.settings import steps_root
+    from operators.steps import format_plan, plan
+
+    text = args.conf
+    if text.startswith("@"):
+        with open(text[1:], encoding="utf-8") as handle:
+            text = handle.read()
+    try:
+        conf = json.loads(text)
+    except json.JSONDecodeError as exc:
+        print(f"slipway: --conf is not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    params = {name: param.value for name, param in pipeline_params().items()}
+    params.update(conf)
+    for name, param in pipeline_params().items():
+        try:
+            param.resolve(params[name])  # the form's own JSON-schema validation
+        except Exception as exc:  # Airflow's ParamValidationError; its first line says why
+            print(f"slipway: {name}: {str(exc).splitlines()[0]}", file=sys.stderr)
+            return 2
+    try:
+        check_run_config(params)
+        graph = build_graph(params)
+    except (RunConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"slipway: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(plan(graph.all_steps(), steps_root())))
+    return 0
 
 
 def _lineage(args: argparse.Namespace) -> int:
@@ -65,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "lineage":
         return _lineage(args)
+    if args.command == "plan":
+        return _plan(args)
     raise AssertionError(args.command)  # argparse refuses unknown commands first
 
 
