@@ -39,9 +39,10 @@ def format_run(store: LineageStore, run_id: str) -> tuple[str, bool]:
             c = dict(a.counts or {})
             if a.type in ("dataset", "token_store", "tokenizer") and "records_in" in c:
                 dropped = dict(c.get("dropped") or {})
-                reasons = ", ".join(
-                    f"{k}={v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1])
-                )
+                ranked = sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+                reasons = ", ".join(f"{k}={v}" for k, v in ranked[:4])
+                if len(ranked) > 4:  # the manifest has them all
+                    reasons += f", +{len(ranked) - 4} more"
                 lines.append(
                     f"{name:<32}{ex.state:<10}{c['records_in']:>8}{c['records_out']:>8}"
                     f"{sum(dropped.values()):>9}  {reasons}"
