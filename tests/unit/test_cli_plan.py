@@ -1,29 +1,47 @@
-"""`slipway plan`: the dry run of a DAG run's conf, with the form's validation."""
+"""`slipway plan`: the dry run of a DAG run's conf, with the form's validation.
+
+Run as the real command in a subprocess: it is a command line, and Airflow's import-time
+logging set-up must not leak into (or be disturbed by) the test process.
+"""
 
 from __future__ import annotations
 
-from operators.cli import main
+import json
+import os
+import subprocess
+import sys
+
 from operators.testing import make_corpora, tiny_conf
 
 
-def test_plan_lists_every_step_to_run(tmp_path, monkeypatch, capsys):
-    import json
+def _plan(conf: str, home) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SLIPWAY_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "operators.cli", "plan", "--conf", conf],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
 
+
+def test_plan_lists_every_step_to_run(tmp_path):
     data = make_corpora(tmp_path / "data")
-    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path / "home"))
-    assert main(["plan", "--conf", json.dumps(tiny_conf(data))]) == 0
-    out = capsys.readouterr().out
+    result = _plan(json.dumps(tiny_conf(data)), tmp_path / "home")
+    assert result.returncode == 0, result.stderr
     for step in ("ingest-", "fuzzy_dedup-", "train_tokenizer-", "train-", "evaluate-"):
-        assert step in out
-    assert "never run" in out
+        assert step in result.stdout
+    assert "never run" in result.stdout
 
 
-def test_invalid_value_is_refused_naming_the_field(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
-    assert main(["plan", "--conf", '{"steps": -1}']) == 2
-    assert "steps: -1 is less than the minimum of 1" in capsys.readouterr().err
+def test_invalid_value_is_refused_naming_the_field(tmp_path):
+    result = _plan('{"steps": -1}', tmp_path)
+    assert result.returncode == 2
+    assert "steps: -1 is less than the minimum of 1" in result.stderr
 
 
-def test_bad_json_is_refused(capsys):
-    assert main(["plan", "--conf", "{steps"]) == 2
-    assert "not valid JSON" in capsys.readouterr().err
+def test_bad_json_is_refused(tmp_path):
+    result = _plan("{steps", tmp_path)
+    assert result.returncode == 2
+    assert "not valid JSON" in result.stderr
