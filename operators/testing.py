@@ -129,7 +129,27 @@ def _write(path: Path, docs: list[dict]) -> None:
     path.write_bytes(gzip.compress(body, mtime=0))
 
 
-def make_corpora(data_dir: Path, sources: tuple[str, ...] = ("brown", "fortunes")) -> Path:
+TINY_SOURCES = ("brown", "fortunes")
+
+# The content-addressed steps a tiny_conf run records in lineage (the `fetch` task is not one).
+TINY_STEPS = frozenset(
+    {
+        "ingest",
+        "quality",
+        "exact_dedup",
+        "fuzzy_dedup",
+        "decontaminate",
+        "split",
+        "train_tokenizer",
+        *(f"tokens/{split}/{source}" for split in ("train", "heldout") for source in TINY_SOURCES),
+        "tokens/eval/lambada",
+        "train",
+        "evaluate",
+    }
+)
+
+
+def make_corpora(data_dir: Path, sources: tuple[str, ...] = TINY_SOURCES) -> Path:
     for k, source in enumerate(sources):
         _write(data_dir / "raw" / f"{source}.jsonl.gz", _documents(source, 60, k))
     _write(data_dir / "eval" / "lambada.jsonl.gz", _documents("lambada", 20, 99))

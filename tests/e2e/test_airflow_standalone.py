@@ -37,29 +37,15 @@ from pathlib import Path
 
 import pytest
 
-from operators.testing import make_corpora, tiny_conf
+from operators.testing import TINY_STEPS, make_corpora, tiny_conf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 DAG_ID = "slipway_pipeline"
-UPSTREAM = {
-    "fetch",
-    "ingest",
-    "quality",
-    "exact_dedup",
-    "fuzzy_dedup",
-    "decontaminate",
-    "split",
-    "train_tokenizer",
-    "tokens/train/brown",
-    "tokens/train/fortunes",
-    "tokens/heldout/brown",
-    "tokens/heldout/fortunes",
-    "tokens/eval/lambada",
-}
-STEPS = UPSTREAM - {"fetch"} | {"train", "evaluate"}
+STEPS = set(TINY_STEPS)
+UPSTREAM = STEPS - {"train", "evaluate"} | {"fetch"}
 
 
 def _free_port() -> int:

@@ -19,28 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from operators.testing import make_corpora, tiny_conf
+from operators.testing import TINY_STEPS, make_corpora, tiny_conf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
-STEPS = {
-    "ingest",
-    "quality",
-    "exact_dedup",
-    "fuzzy_dedup",
-    "decontaminate",
-    "split",
-    "train_tokenizer",
-    "tokens/train/brown",
-    "tokens/train/fortunes",
-    "tokens/heldout/brown",
-    "tokens/heldout/fortunes",
-    "tokens/eval/lambada",
-    "train",
-    "evaluate",
-}
+STEPS = set(TINY_STEPS)
 
 
 @pytest.fixture(scope="module")
