@@ -37,8 +37,15 @@ def env(tmp_path_factory):
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "SLIPWAY_HOME": str(base / "home"),
+        # The OpenLineage provider's real file transport: one JSON event per line.
+        "AIRFLOW__OPENLINEAGE__NAMESPACE": "slipway-test",
+        "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+            {"type": "file", "log_file_path": str(base / "openlineage.jsonl"), "append": True}
+        ),
     }
     env.pop("SLIPWAY_LINEAGE_DB", None)
+    env.pop("OPENLINEAGE_URL", None)
+    env.pop("AIRFLOW__OPENLINEAGE__DISABLED", None)
     subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True)
     env["_DATA"] = str(make_corpora(base / "data"))
     return env
@@ -72,6 +79,18 @@ def states(env, run_id) -> tuple[dict[str, str], dict]:
     return {name: str(node.execution.state) for name, node in latest.items()}, latest
 
 
+def openlineage_events(env, run_id: str) -> list[dict]:
+    """The task-level events the provider wrote for one DAG run (through the file transport)."""
+    path = Path(env["AIRFLOW_HOME"]).parent / "openlineage.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [
+        e
+        for e in events
+        if e["job"]["name"].startswith("slipway_pipeline.")
+        and e["run"]["facets"].get("airflow", {}).get("dagRun", {}).get("run_id") == run_id
+    ]
+
+
 def test_first_run_completes_and_second_is_cached(env):
     run1, log = dags_test(env)
     s1, nodes = states(env, run1)
@@ -86,6 +105,23 @@ def test_first_run_completes_and_second_is_cached(env):
     assert all(c["loss"] > 0 for c in evals.values())
     counts = next(o.artifact.counts for o in nodes["ingest"].outputs)
     assert counts["records_in"] == 120
+
+    # OpenLineage: START and COMPLETE per task, with our operators' datasets, in the namespace
+    # configured above.
+    events = openlineage_events(env, run1)
+    by_task: dict[str, dict[str, dict]] = {}
+    for e in events:
+        by_task.setdefault(e["job"]["name"].split(".", 1)[1], {})[e["eventType"]] = e
+    assert {"ingest", "train", "evaluate", "record"} <= set(by_task), sorted(by_task)
+    for task, kinds in by_task.items():
+        assert {"START", "COMPLETE"} <= set(kinds), (task, sorted(kinds))
+        assert kinds["COMPLETE"]["job"]["namespace"] == "slipway-test"
+    ingest = by_task["ingest"]["COMPLETE"]
+    assert ingest["outputs"] and ingest["outputs"][0]["namespace"] == "file"
+    assert any("ingest-" in d["name"] for d in ingest["outputs"]), ingest["outputs"]
+    train = by_task["train"]["COMPLETE"]
+    assert any("tokens" in d["name"] or "tokenize" in d["name"] for d in train["inputs"]), train
+    assert any("train-" in d["name"] for d in train["outputs"]), train["outputs"]
 
     run2, log = dags_test(env)
     assert run2 != run1
@@ -105,6 +141,13 @@ def test_injected_training_fault_fails_the_run_and_a_rerun_resumes(env):
     assert props["resumable"] and props["last_checkpoint_step"] >= 5
     assert s["tokens/train/brown"] == "CACHED"
     assert "evaluate" not in s  # upstream failed: never started
+    fails = [
+        e
+        for e in openlineage_events(env, run)
+        if e["eventType"] == "FAIL" and e["job"]["name"] == "slipway_pipeline.train"
+    ]
+    assert fails, "no OpenLineage FAIL event for train"
+    assert any("train-" in d["name"] for d in fails[-1]["outputs"]), fails[-1]
     from operators.lineage import LineageStore
 
     with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
