@@ -99,6 +99,7 @@ class StepLineageMixin:
         inputs: Iterable[ArtifactRef] = (),
         outputs: Callable[[StepSpec, StepResult], Iterable[ArtifactRef]] = lambda s, r: (),
         failure_properties: Callable[[StepSpec], Mapping[str, Any]] = lambda s: {},
+        complete_properties: Callable[[StepResult], Mapping[str, Any]] = lambda r: {},
         runner: StepRunner | None = None,
         output_subpath: str = "",
     ) -> StepResult:
@@ -150,7 +151,10 @@ class StepLineageMixin:
             store.finish_execution(
                 execution,
                 ExecutionState.CACHED if cached else ExecutionState.COMPLETE,
-                properties={"outcome": str(result.outcome)},
+                properties={
+                    "outcome": str(result.outcome),
+                    **({} if cached else complete_properties(result)),
+                },
             )
             self.log_step(step, result)
             return result

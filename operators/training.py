@@ -233,6 +233,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             ],
             outputs=self._outputs,
             failure_properties=self._failure_properties,
+            complete_properties=self._complete_properties,
         )
         return {
             "outcome": str(result.outcome),
@@ -325,6 +326,13 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             )
         refs.append(ArtifactRef(join(spec.output_path, "metrics.jsonl"), ArtifactType.METRICS))
         return refs
+
+    @staticmethod
+    def _complete_properties(result: StepResult) -> dict[str, Any]:
+        # Where this attempt started (a resumed run says from which checkpoint step) and how
+        # often the JobSet restarted its pods: what `slipway lineage show` reports.
+        r = dict(result.result or {})
+        return {"resumed_from_step": r.get("resumed_from"), "restarts": r.get("restarts", 0)}
 
     @staticmethod
     def _failure_properties(spec: StepSpec) -> dict[str, Any]:

@@ -44,8 +44,13 @@ def _artifact(artifact: ArtifactRecord) -> str:
 def _execution(record: ExecutionRecord) -> str:
     version = f" [{record.step_version[:8]}]" if record.step_version else ""
     line = f"{record.name}{version} {record.state}{_duration(record)}"
+    props = record.properties or {}
+    if props.get("resumed_from_step") is not None:
+        line += f" (resumed from step {props['resumed_from_step']})"
     if record.error:
         line += f": {record.error}"
+        if props.get("last_checkpoint_step") is not None:
+            line += f" [last checkpoint: step {props['last_checkpoint_step']}]"
     return line
 
 

@@ -16,9 +16,11 @@ What a user does from the UI, in one test (the phases share one Airflow, ~1 min 
    training starts below the fault step, so the cleared ``train`` resumes from its checkpoint
    and completes; nothing that succeeded runs again (still CACHED) and the run succeeds.
 
-A second test marks a running ``train`` task failed through the API (``PATCH .../taskInstances/
-train``): the lineage listener (``plugins/`` -> ``operators/listener.py``) closes its execution
-in the API server, so lineage keeps no RUNNING execution.
+A second test kills a running ``train`` task the way the UI's "mark as failed" does
+(``PATCH .../taskInstances/train``): the lineage listener (``plugins/`` ->
+``operators/listener.py``) closes its execution in the API server, the task's ``on_kill``
+cancels the JobSet and the trainer saves a checkpoint on SIGTERM; clearing the task then
+resumes training from that checkpoint (lineage: ``resumed_from_step``) to the end.
 
 Lineage never keeps a RUNNING execution. The standalone process group is always stopped.
 """
@@ -301,40 +303,81 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     assert summary["state"] == "SUCCESS"
 
 
-def test_task_marked_failed_from_the_api_leaves_no_running_lineage(airflow):
+def _metrics_lines(output: str) -> int:
+    try:
+        return len((Path(output) / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def test_training_killed_from_the_api_resumes_from_its_checkpoint(airflow):
     af = airflow
     af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
-    # A new training step with far more steps than it will get to run.
+    # A new training step, long enough to be killed midway (the tiny model does ~1-10 ms/step).
+    steps = 20_000
     t0 = time.monotonic()
-    af.trigger("e2e_marked", tiny_conf(af.data, seed=8, steps=20_000))
+    af.trigger("e2e_killed", tiny_conf(af.data, seed=8, steps=steps))
     deadline = time.monotonic() + 300
+    output = None
     while time.monotonic() < deadline:
         try:
-            states, nodes, _ = af.lineage("e2e_marked")
+            _, nodes, _ = af.lineage("e2e_killed")
         except Exception:  # no lineage for this run yet
-            states = {}
-        if states.get("train") == "RUNNING":
-            break
+            nodes = {}
+        train = nodes.get("train")
+        if train is not None and str(train.execution.state) == "RUNNING":
+            output = train.execution.properties["output"]
+            if _metrics_lines(output) >= 50:  # compiled and training
+                break
         time.sleep(1)
     else:
-        raise AssertionError(f"train never started: {af.task_states('e2e_marked')}")
-    time.sleep(3)  # the trainer is up
+        raise AssertionError(f"train never got going: {af.task_states('e2e_killed')}")
+
+    # -- kill it: what "mark as failed" on a running task does from the UI ------------------------
     af.api(
         "PATCH",
-        f"/dags/{DAG_ID}/dagRuns/e2e_marked/taskInstances/train",
+        f"/dags/{DAG_ID}/dagRuns/e2e_killed/taskInstances/train",
         json={"new_state": "failed"},
     )
-    state = af.wait_run("e2e_marked")
-    print(f"e2e_marked: {state} in {time.monotonic() - t0:.0f}s")
-    tasks = af.task_states("e2e_marked")
-    states, nodes, executions = af.lineage("e2e_marked")
+    state = af.wait_run("e2e_killed")
+    print(f"e2e_killed: {state} in {time.monotonic() - t0:.0f}s")
+    tasks = af.task_states("e2e_killed")
+    states, nodes, executions = af.lineage("e2e_killed")
     assert state == "failed" and tasks["train"] == "failed", tasks
     train = nodes["train"].execution
     # The listener closed it in the API server (FAILED, "manually set"); the killed task then
-    # records its own ending on top (FAILED "JobSet cancelled"); the listener's reason stays.
+    # records its own ending on top, with the checkpoint its trainer saved on SIGTERM.
     assert str(train.state) in ("FAILED", "CANCELED"), train
     assert train.properties.get("closed_by") == "listener", train
     assert "manually set to `failed`" in train.properties["listener_reason"], train
     assert not [e for e in executions if str(e.state) == "RUNNING"], executions
+    killed_at = train.properties.get("last_checkpoint_step")
+    assert train.properties.get("resumable") and 0 < killed_at < steps, (
+        train.properties,
+        af.task_log("e2e_killed", "train"),
+    )
     summary = next(o.artifact.properties for o in nodes["record"].outputs)
     assert summary["state"] == "FAILED" and summary["failed"][0]["step"] == "train"
+    assert summary["resume"]["training_resumes_from"]["step"] == killed_at
+    logged = _metrics_lines(output)
+    assert logged < steps, "the trainer ran to the end: nothing was killed"
+
+    # -- clear it: the rerun resumes from that checkpoint and finishes ----------------------------
+    af.api(
+        "POST",
+        f"/dags/{DAG_ID}/clearTaskInstances",
+        json={"dry_run": False, "dag_run_id": "e2e_killed", "only_failed": True},
+    )
+    time.sleep(3)
+    state = af.wait_run("e2e_killed")
+    tasks = af.task_states("e2e_killed")
+    states, nodes, executions = af.lineage("e2e_killed")
+    assert state == "success", (tasks, states, af.task_log("e2e_killed", "train", 2))
+    train = nodes["train"].execution
+    assert str(train.state) == "COMPLETE" and train.properties["resumed_from_step"] == killed_at
+    assert "resuming from checkpoint" in af.task_log("e2e_killed", "train", 2)
+    ckpt = next(o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint")
+    assert ckpt.uri.endswith(f"step-{steps:09d}")
+    assert [e.name for e in executions].count("train") == 2
+    summary = next(o.artifact.properties for o in nodes["record"].outputs)
+    assert summary["state"] == "SUCCESS"
