@@ -116,9 +116,19 @@ class ArtifactOutputs:
     dropped: beam.PCollection  # dead letters
     parts: beam.PCollection  # what the workers wrote; handed to ``finalize`` as a list
     finalize: Finalize
+    # Only from a ``read_build``, which reads the inputs itself: ints summing to records_in.
+    records_in: beam.PCollection | None = None
 
 
+# build(documents, config, target): the harness has read and parsed the inputs.
 ArtifactBuild = Callable[[beam.PCollection, Any, ArtifactTarget], ArtifactOutputs]
+# read_build(pipeline, inputs, config, target): a stage that can do better than the harness's
+# read -> parse -> (its own shuffle) reads the inputs itself, counting records_in and turning
+# unreadable or invalid records into dead letters exactly as the harness would; it returns
+# None when it cannot (the harness then reads as usual).
+ArtifactReadBuild = Callable[
+    [beam.Pipeline, list[str], Any, ArtifactTarget], ArtifactOutputs | None
+]
 
 
 @dataclass(frozen=True)
@@ -175,21 +185,32 @@ def run_artifact_stage(
     *,
     num_shards: int = DEFAULT_SHARDS,
     beam_args: Sequence[str] = (),
+    read_build: ArtifactReadBuild | None = None,
 ) -> ArtifactRun:
-    """Run an artifact stage as one Beam pipeline and return its manifest."""
+    """Run an artifact stage as one Beam pipeline and return its manifest.
+
+    With ``read_build``, the stage is first offered the inputs to read itself; ``build`` runs
+    on the harness's parsed documents when it declines.
+    """
     options = prepare_run(stage, inputs, output, num_shards, beam_args)
     config_dict = dataclasses.asdict(config)
+    target = ArtifactTarget(output, num_shards)
     started = time.monotonic()
     with beam.Pipeline(options=options) as pipeline:
-        read = pipeline | "ReadInputs" >> ReadRecords(inputs)
-        ones_in = (
-            read[RECORDS] | "OneRecord" >> beam.Map(lambda _: 1),
-            read[DEAD] | "OneUnreadable" >> beam.Map(lambda _: 1),
-        ) | "InOnes" >> beam.Flatten()
-        records_in = _total(ones_in, "RecordsIn")
-        parsed = read[RECORDS] | "Parse" >> ParseDocuments(stage)
-        built = build(parsed[RECORDS], config, ArtifactTarget(output, num_shards))
-        letters = (read[DEAD], parsed[DEAD], built.dropped)
+        built = read_build(pipeline, list(inputs), config, target) if read_build else None
+        if built is not None and built.records_in is not None:
+            records_in = _total(built.records_in, "RecordsIn")
+            letters: tuple[beam.PCollection, ...] = (built.dropped,)
+        else:
+            read = pipeline | "ReadInputs" >> ReadRecords(inputs)
+            ones_in = (
+                read[RECORDS] | "OneRecord" >> beam.Map(lambda _: 1),
+                read[DEAD] | "OneUnreadable" >> beam.Map(lambda _: 1),
+            ) | "InOnes" >> beam.Flatten()
+            records_in = _total(ones_in, "RecordsIn")
+            parsed = read[RECORDS] | "Parse" >> ParseDocuments(stage)
+            built = build(parsed[RECORDS], config, target)
+            letters = (read[DEAD], parsed[DEAD], built.dropped)
         dead = letters | "AllDead" >> beam.Flatten()
         dead_shards = write_dead_letters(dead, output, num_shards)
         reasons = (
@@ -232,6 +253,7 @@ def artifact_main(
     *,
     add_arguments: Callable[[Any], None] | None = None,
     apply_arguments: Callable[[Any, Any], Any] | None = None,
+    read_build: ArtifactReadBuild | None = None,
 ) -> ArtifactRun:
     """Command line shared by artifact stages; unknown flags are Beam pipeline options.
 
@@ -249,6 +271,7 @@ def artifact_main(
             args.output,
             num_shards=args.num_shards,
             beam_args=beam_args,
+            read_build=read_build,
         )
 
     return command_line(

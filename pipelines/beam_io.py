@@ -9,6 +9,7 @@ byte-identical files on any runner and in any execution order.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -198,7 +199,8 @@ class ReadRecords(beam.PTransform):
         )
 
 
-def _parse(item: tuple[str, Any], stage: str) -> Iterator[Any]:
+def parse_record(item: tuple[str, Any], stage: str) -> Iterator[Any]:
+    """(origin, object) -> the valid document, or a tagged dead letter."""
     origin, obj = item
     try:
         yield validate_document(obj)
@@ -214,9 +216,37 @@ class ParseDocuments(beam.PTransform):
         self.stage = stage
 
     def expand(self, records: beam.PCollection) -> pvalue.DoOutputsTuple:
-        return records | "Validate" >> beam.FlatMap(_parse, self.stage).with_outputs(
+        return records | "Validate" >> beam.FlatMap(parse_record, self.stage).with_outputs(
             DEAD, main=RECORDS
         )
+
+
+_SHARD_FILE = re.compile(r"part-(\d{5})-of-(\d{5})\.jsonl\.gz$")
+
+
+def id_sharded_inputs(specs: Iterable[str], num_shards: int) -> dict[int, list[str]] | None:
+    """Files by shard index, when every spec is a documents stage output with ``num_shards``.
+
+    Document stages write shard ``k`` of ``n`` with exactly the documents whose
+    ``stable_shard(id, n) == k`` (``write_documents``). A consumer that wants the same
+    partition can then read shard ``k`` of every input instead of shuffling by id. Returns
+    None when any input is something else (a glob, a file, another shard count).
+    """
+    groups: dict[int, list[str]] = {i: [] for i in range(num_shards)}
+    for spec in specs:
+        if spec.startswith(HF_PREFIX) or not has_manifest(spec):
+            return None
+        manifest = read_manifest(spec)
+        if manifest.format != DOCUMENTS_FORMAT or len(manifest.shards) != num_shards:
+            return None
+        for shard, path in zip(manifest.shards, manifest.shard_paths(spec), strict=True):
+            match = _SHARD_FILE.search(shard.path)
+            if match is None or int(match.group(2)) != num_shards:
+                return None
+            groups[int(match.group(1))].append(path)
+    if any(len(paths) != len(groups[0]) for paths in groups.values()):
+        return None
+    return groups
 
 
 def stable_shard(key: str, num_shards: int) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,10 +44,19 @@ from pipelines.artifact_stage import (
     artifact_main,
     tree_info,
 )
-from pipelines.beam_io import DEAD, stable_shard
+from pipelines.beam_io import (
+    DEAD,
+    InputSource,
+    id_sharded_inputs,
+    parse_record,
+    read_source,
+    stable_shard,
+)
 from pipelines.documents import DeadLetter, Document, dead_letter
 from pipelines.manifest import ShardInfo
 from pipelines.stage import StageError
+
+log = logging.getLogger(__name__)
 
 STAGE = "tokenize"
 KIND = "token-store"
@@ -59,6 +69,9 @@ class TokenizeConfig:
     tokenizer: str = ""  # tokenizer directory (stage 6 output) or .model file; --tokenizer
     encode_threads: int = 0  # SentencePiece threads per batch; 0 = one per CPU (max 8)
     batch_docs: int = 1024  # documents per encode call
+    # Re-shard by id through a shuffle even when the inputs are already id-sharded stage
+    # outputs (the store is the same either way; this is for comparison and tests).
+    shuffle: bool = False
 
     def __post_init__(self) -> None:
         if self.encode_threads < 0:
@@ -131,17 +144,60 @@ class EncodeShard(beam.DoFn):
         # Loaded once per worker; the sha256 check pins it to the model the run was planned with.
         self._sp = spm.processor(spm.load_model_bytes(self.info.path, self.info.sha256))
 
-    def process(self, item: tuple[int, Iterable[Row | None]]) -> Iterator[Any]:
+    def encode_and_write(self, index: int, rows: Iterable[Row]) -> Iterator[Any]:
         assert self._sp is not None
-        index, rows = item
-        ordered = sorted(r for r in rows if r is not None)
-        tokens, letters = encode_rows(self._sp, ordered, self.threads, self.batch_docs)
+        tokens, letters = encode_rows(self._sp, sorted(rows), self.threads, self.batch_docs)
         name = token_shard_name(index, self.num_shards)
         ledger = tokenstore.write_shard(self.output, name, tokens)
         info = tree_info(self.output, f"shards/{name}", ledger.num_docs)
         yield {"ledger": asdict(ledger), "info": asdict(info)}
         for letter in letters:
             yield pvalue.TaggedOutput(DEAD, letter)
+
+    def process(self, item: tuple[int, Iterable[Row | None]]) -> Iterator[Any]:
+        index, rows = item
+        yield from self.encode_and_write(index, (r for r in rows if r is not None))
+
+
+class ReadEncodeShard(EncodeShard):
+    """(shard index, input files) -> store shard: read, parse, encode and write in one worker.
+
+    For inputs already partitioned by ``stable_shard(id, n)`` (``id_sharded_inputs``): shard
+    ``k`` of the store is read from shard ``k`` of every input, so no shuffle moves the corpus,
+    and the store is byte-identical to what the shuffle path writes. Reading and parsing turn
+    bad records into the same dead letters as the harness's ``ReadRecords``/``ParseDocuments``.
+    """
+
+    def process(self, item: tuple[int, list[str]]) -> Iterator[Any]:
+        index, paths = item
+        rows: list[Row] = []
+        records_in = 0
+        for path in paths:
+            for record in read_source(InputSource("jsonl", path)):
+                records_in += 1
+                if isinstance(record, pvalue.TaggedOutput):
+                    yield record
+                    continue
+                for parsed in parse_record(record, STAGE):
+                    if isinstance(parsed, pvalue.TaggedOutput):
+                        yield parsed
+                        continue
+                    doc: Document = parsed
+                    for keyed in key_by_shard(doc, self.num_shards):
+                        if isinstance(keyed, pvalue.TaggedOutput):
+                            yield keyed
+                        elif keyed[0] != index:
+                            # Never misplace a document silently: the input broke its contract.
+                            raise StageError(
+                                f"{STAGE}: {path} is shard {index} of {self.num_shards} but holds"
+                                f" document {doc['id']!r} of shard {keyed[0]}"
+                            )
+                        else:
+                            rows.append(keyed[1])
+        for out in self.encode_and_write(index, rows):
+            if isinstance(out, dict):
+                out["records_in"] = records_in
+            yield out
 
 
 def key_by_shard(doc: Document, num_shards: int) -> Iterator[Any]:
@@ -215,6 +271,40 @@ def build(
     )
 
 
+def build_from_shards(
+    pipeline: beam.Pipeline, inputs: list[str], config: TokenizeConfig, target: ArtifactTarget
+) -> ArtifactOutputs | None:
+    """The no-shuffle path, when the inputs are documents already sharded by id (see module)."""
+    if config.shuffle:
+        return None
+    groups = id_sharded_inputs(inputs, target.num_shards)
+    if groups is None:
+        log.info("%s: inputs are not id-sharded stage outputs: shuffling by id", STAGE)
+        return None
+    if not config.tokenizer:
+        raise StageError(f"{STAGE}: a tokenizer is required (--tokenizer DIR_OR_MODEL)")
+    info = spm.describe(config.tokenizer)
+    n = target.num_shards
+    log.info("%s: inputs already sharded by id into %d: one store shard per input shard", STAGE, n)
+    encoded = (
+        pipeline
+        | "InputShards" >> beam.Create(sorted(groups.items()))
+        | "SpreadShards" >> beam.Reshuffle()  # one shard per worker on a distributed runner
+        | "ReadEncodeShard"
+        >> beam.ParDo(ReadEncodeShard(info, target.output, n, config)).with_outputs(
+            DEAD, main="shards"
+        )
+    )
+    shards = encoded["shards"]
+    return ArtifactOutputs(
+        records_out=shards | "ShardDocs" >> beam.Map(lambda s: s["ledger"]["num_docs"]),
+        dropped=encoded[DEAD],
+        parts=shards,
+        finalize=functools.partial(finalize_store, info=info, num_shards=n),
+        records_in=shards | "ShardRecordsIn" >> beam.Map(lambda s: s["records_in"]),
+    )
+
+
 def _add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer directory (train_tokenizer output) or .model"
@@ -237,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> ArtifactRun:
         argv,
         add_arguments=_add_arguments,
         apply_arguments=_apply_arguments,
+        read_build=build_from_shards,
     )
 
 

@@ -171,3 +171,82 @@ def test_multi_processing_gives_identical_bytes(corpus, tokenizer_dir, store_run
         ["--direct_running_mode=multi_processing", "--direct_num_workers=2"],
     )
     assert digest(other) == digest(out)
+
+
+def _id_sharded_output(root: Path, docs: list[dict], extra_lines: dict[int, list[str]]) -> Path:
+    """A documents stage output as ``write_documents`` lays it out, plus raw lines per shard."""
+    from pipelines import storage
+    from pipelines.beam_io import shard_name
+    from pipelines.manifest import Manifest, ShardInfo
+
+    shards = []
+    for k in range(NUM_SHARDS):
+        mine = sorted((d for d in docs if stable_shard(d["id"], NUM_SHARDS) == k), key=str)
+        lines = [_line(d) for d in mine] + extra_lines.get(k, [])
+        data = storage.gzip_bytes("".join(lines).encode())
+        relative = shard_name("data/part", k, NUM_SHARDS)
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_bytes(data)
+        shards.append(ShardInfo(relative, len(lines), len(data), storage.sha256_hex(data)))
+    total = sum(s.records for s in shards)
+    Manifest("fixture", {}, [], total, total, {}, shards, []).write(str(root))
+    return root
+
+
+def _tokenize_config(tokenizer: Path, **kw) -> tokenize.TokenizeConfig:
+    return tokenize.TokenizeConfig(tokenizer=str(tokenizer), batch_docs=50, **kw)
+
+
+def _run(inputs: Path, config: tokenize.TokenizeConfig, out: Path):
+    return run_artifact_stage(
+        tokenize.STAGE,
+        tokenize.KIND,
+        tokenize.build,
+        config,
+        [str(inputs)],
+        str(out),
+        num_shards=NUM_SHARDS,
+        read_build=tokenize.build_from_shards,
+    ).manifest
+
+
+def test_id_sharded_inputs_skip_the_shuffle_and_write_the_same_store(
+    corpus, tokenizer_dir, store_run, tmp_path, digest, caplog
+):
+    _, docs = corpus
+    sharded = _id_sharded_output(tmp_path / "sharded", docs, {1: list(BAD_LINES)})
+    caplog.set_level("INFO", logger="pipelines.tokenize")
+    direct = _run(sharded, _tokenize_config(tokenizer_dir), tmp_path / "direct")
+    assert "one store shard per input shard" in caplog.text
+    shuffled = _run(sharded, _tokenize_config(tokenizer_dir, shuffle=True), tmp_path / "shuffled")
+    assert "shuffling by id" not in caplog.text  # shuffle=True declines without asking
+
+    # Same accounting, same dead letters, same bytes: how the store was read does not show.
+    assert direct.records_in == len(docs) + len(BAD_LINES)
+    assert direct.dropped == dict(Counter(BAD_LINES.values()))
+    for name in ("records_in", "records_out", "dropped", "shards", "dead_letter_shards", "extra"):
+        assert getattr(direct, name) == getattr(shuffled, name), name
+    for sub in ("shards", "dead_letter"):
+        assert digest(tmp_path / "direct" / sub) == digest(tmp_path / "shuffled" / sub), sub
+    ledger = "ledger.json"
+    assert (tmp_path / "direct" / ledger).read_bytes() == (
+        tmp_path / "shuffled" / ledger
+    ).read_bytes()
+    # And the token shards are those of the store tokenized from the unsharded files.
+    assert digest(tmp_path / "direct" / "shards") == digest(store_run[0] / "shards")
+
+
+def test_a_document_in_the_wrong_input_shard_is_an_error(corpus, tokenizer_dir, tmp_path):
+    _, docs = corpus
+    stray = next(d for d in docs if stable_shard(d["id"], NUM_SHARDS) != 0)
+    sharded = _id_sharded_output(tmp_path / "sharded", docs[:20], {0: [_line(stray)]})
+    with pytest.raises(Exception, match=r"is shard 0 of 3 but holds document"):
+        _run(sharded, _tokenize_config(tokenizer_dir), tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_inputs_that_are_not_id_sharded_are_shuffled(corpus, tokenizer_dir, tmp_path, caplog):
+    caplog.set_level("INFO", logger="pipelines.tokenize")
+    manifest = _run(corpus[0], _tokenize_config(tokenizer_dir), tmp_path / "out")
+    assert "shuffling by id" in caplog.text
+    assert manifest.records_out == len(corpus[1])
