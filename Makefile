@@ -66,8 +66,10 @@ airflow: install
 	@echo "Airflow UI: http://localhost:$(AIRFLOW_PORT)  user: admin"
 	@echo "password: in $(abspath $(OUT))/airflow/simple_auth_manager_passwords.json.generated"
 	@echo "  (written on first start; also printed by 'airflow standalone' below)"
+	@# standalone starts its scheduler, API server, ... as `airflow` from PATH: the venv's.
 	$(AIRFLOW_ENV) AIRFLOW__API__HOST=127.0.0.1 AIRFLOW__API__PORT=$(AIRFLOW_PORT) \
 		AIRFLOW__API__BASE_URL=http://localhost:$(AIRFLOW_PORT) \
+		PATH="$(abspath $(VENV))/bin:$$PATH" AIRFLOW__CORE__PARALLELISM=$${AIRFLOW__CORE__PARALLELISM:-4} \
 		$(VENV)/bin/airflow standalone
 
 test: install
