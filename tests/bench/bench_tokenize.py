@@ -3,18 +3,23 @@
     .venv/bin/python tests/bench/bench_tokenize.py [--quick] [--threads N] [--json PATH]
 
 Corpus: the Python standard library's own sources (real text: code and English docstrings),
-normalized like ingest does, written as gzipped JSONL input shards. A tokenizer is trained
-in the same run by stage 6 (``pipelines.train_tokenizer``). Then, on the same documents:
+written as gzipped JSONL and run through stage 1 (``pipelines.ingest``), so that tokenize reads
+what it reads in the pipeline: a documents stage output, id-sharded into 8 shards. A tokenizer
+is trained in the same run by stage 6 (``pipelines.train_tokenizer``). Then, on the same
+documents:
 
 * raw: ``sp.encode(texts, add_eos=True, return_type="numpy", num_threads=N)`` in batches,
   texts already in memory: the ceiling for any tokenization stage;
 * shard path: what one stage worker does (sort a shard, ``encode_rows``, ``write_shard``),
   for every shard in turn;
 * stage: ``python -m pipelines.tokenize`` end to end on the DirectRunner (read gzipped JSONL,
-  parse, shuffle to shards, encode, write, ledger, manifest), in process and with
-  ``multi_processing`` (2 workers). Run as a child process; its time is the stage's own log
-  line (pipeline build + run, not interpreter start-up) and its peak memory is the child's
-  ``VmHWM`` (in-process run; ``multi_processing`` workers are not counted).
+  parse, encode, write, ledger, manifest; the id-sharded input maps shard k to store shard k,
+  no shuffle), in process and with ``multi_processing`` (2 workers). Run as a child process;
+  its time is the stage's own log line (pipeline build + run, not interpreter start-up) and its
+  peak memory is the child's ``VmHWM`` (in-process run; ``multi_processing`` workers are not
+  counted);
+* stage, shuffle path: the same in process with ``shuffle=True`` (re-shard by id through a
+  GroupByKey, what inputs that are not id-sharded stage outputs get).
 
 Ratios are throughput ratios to raw encoding with the same thread count (>= 0.6 is the goal).
 """
@@ -40,9 +45,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import tokenstore  # noqa: E402
-from pipelines import spm, tokenize, train_tokenizer  # noqa: E402
+from pipelines import ingest, spm, tokenize, train_tokenizer  # noqa: E402
 from pipelines.artifact_stage import run_artifact_stage  # noqa: E402
-from pipelines.beam_io import stable_shard  # noqa: E402
+from pipelines.beam_io import read_documents, stable_shard  # noqa: E402
+from pipelines.stage import run_stage  # noqa: E402
 from pipelines.text import normalize_text  # noqa: E402
 from pipelines.tokenize import encode_rows, token_shard_name  # noqa: E402
 
@@ -86,11 +92,7 @@ def write_inputs(directory: Path, max_bytes: int, files: int) -> tuple[int, int]
 
 
 def read_inputs(directory: Path) -> list[tuple[str, str]]:
-    rows = []
-    for path in sorted(directory.glob("in-*.jsonl.gz")):
-        with gzip.open(path, "rt", encoding="utf-8") as handle:
-            rows += [(d["id"], d["text"]) for d in map(json.loads, handle)]
-    return rows
+    return [(d["id"], d["text"]) for d in read_documents(str(directory))]
 
 
 def encode_raw(sp, texts: list[str], threads: int, batch_docs: int) -> int:
@@ -118,8 +120,12 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run_stage_in_process(inputs, tokenizer, out, threads, batch_docs, num_shards) -> None:
-    config = tokenize.TokenizeConfig(str(tokenizer), encode_threads=threads, batch_docs=batch_docs)
+def run_stage_in_process(
+    inputs, tokenizer, out, threads, batch_docs, num_shards, shuffle: bool = False
+) -> None:
+    config = tokenize.TokenizeConfig(
+        str(tokenizer), encode_threads=threads, batch_docs=batch_docs, shuffle=shuffle
+    )
     run_artifact_stage(
         tokenize.STAGE,
         tokenize.KIND,
@@ -128,6 +134,7 @@ def run_stage_in_process(inputs, tokenizer, out, threads, batch_docs, num_shards
         [str(inputs)],
         str(out),
         num_shards=num_shards,
+        read_build=tokenize.build_from_shards,
     )
 
 
@@ -188,11 +195,27 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-tokenize-") as tmp:
         work = Path(tmp)
+        raw_inputs = work / "raw"
+        raw_inputs.mkdir()
+        docs, size = write_inputs(raw_inputs, max_bytes, files=8)
         inputs = work / "inputs"
-        inputs.mkdir()
-        docs, size = write_inputs(inputs, max_bytes, files=8)
+        start = time.perf_counter()
+        ingested = run_stage(
+            ingest.STAGE,
+            ingest.build,
+            ingest.IngestConfig(),
+            [str(raw_inputs)],
+            str(inputs),
+            num_shards=num_shards,
+            raw_records=True,
+        ).manifest
+        assert ingested.records_out == docs, ingested.dropped
         results.update(docs=docs, mb=round(size / 1e6, 2))
-        print(f"corpus: {docs} stdlib sources, {size / 1e6:.1f} MB", flush=True)
+        print(
+            f"corpus: {docs} stdlib sources, {size / 1e6:.1f} MB;"
+            f" ingest took {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
 
         vocab = 2000 if args.quick else 8000
         config = train_tokenizer.TrainTokenizerConfig(
@@ -229,6 +252,7 @@ def main() -> None:
                     lambda: shard_path(sp, rows, threads, batch_docs, num_shards, work / "p")
                 ),
                 "stage": timed(lambda: run_stage_in_process(*stage_args)),
+                "shuffle": timed(lambda: run_stage_in_process(*stage_args, shuffle=True)),
             }
             print(
                 f"round {round_}: "
@@ -263,6 +287,7 @@ def main() -> None:
         shard_path_ratio_cpu=round(raw_c / best["path"][1], 3),
         stage_ratio_wall=round(raw_w / best["stage"][0], 3),
         stage_ratio_cpu=round(raw_c / best["stage"][1], 3),
+        stage_shuffle_ratio_wall=round(raw_w / best["shuffle"][0], 3),
         stage_cli_ratio_wall=round(raw_w / child_s, 3),
         stage_multi_processing_ratio_wall=round(raw_w / mp_s, 3),
         stage_peak_rss_mib=round(stage_rss, 1),
@@ -273,6 +298,7 @@ def main() -> None:
         ("raw sp.encode, 1 thread", *raw1),
         ("shard path (sort+encode+write_shard)", *best["path"]),
         ("stage, in-process (run_artifact_stage)", *best["stage"]),
+        ("stage, in-process, shuffle path", *best["shuffle"]),
         ("stage CLI, DirectRunner in-process", child_s, float("nan")),
         ("stage CLI, multi_processing x2, 1 thread", mp_s, float("nan")),
     ]
