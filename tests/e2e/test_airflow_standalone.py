@@ -2,9 +2,10 @@
 
 What a user does from the UI, in one test (the phases share one Airflow, ~1 min to start):
 
-1. start ``airflow standalone`` (scheduler, dag-processor, API server, triggerer; LocalExecutor
-   on SQLite) on a free loopback port, in a throwaway ``AIRFLOW_HOME``, with the repo's
-   ``dags/`` and ``plugins/`` (the lineage listener) and tiny synthetic corpora;
+1. start ``make airflow`` (``airflow standalone``: scheduler, dag-processor, API server,
+   triggerer; LocalExecutor on SQLite) on a free loopback port, in a throwaway ``OUT`` (its
+   ``AIRFLOW_HOME``), with the repo's ``dags/`` and ``plugins/`` (the lineage listener) and
+   tiny synthetic corpora;
 2. read the generated admin password, ``POST /auth/token``, unpause ``slipway_pipeline``;
 3. trigger a run (``POST /api/v2/dags/slipway_pipeline/dagRuns`` with a tiny ``conf``): it
    succeeds and every step is COMPLETE in lineage;
@@ -65,28 +66,23 @@ class Airflow:
         self.base = base
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # `make airflow OUT=base DATA=...`: Airflow home base/airflow, steps and lineage in base.
         self.home = base / "airflow"
-        self.slipway_home = base / "home"
+        self.slipway_home = base
         self.data = make_corpora(base / "data")
         self.env = {
             **os.environ,
-            # standalone starts its components as `airflow ...` from PATH
-            "PATH": f"{Path(AIRFLOW).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            "AIRFLOW_HOME": str(self.home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-            "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__API__HOST": "127.0.0.1",
-            "AIRFLOW__API__PORT": str(self.port),
-            "AIRFLOW__API__BASE_URL": self.url,
             "AIRFLOW__API__WORKERS": "1",
             # The DAG is @weekly without catchup: unpausing it would start the latest scheduled
             # run (the full default form) ahead of ours (max_active_runs=1). Manual runs only.
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
-            "SLIPWAY_HOME": str(self.slipway_home),
-            "SLIPWAY_DATA_DIR": str(self.data),
         }
-        self.env.pop("SLIPWAY_LINEAGE_DB", None)
+        for name in list(self.env):  # nothing of the caller's Airflow or Slipway settings
+            if name.startswith(("AIRFLOW", "SLIPWAY_")) and name not in (
+                "AIRFLOW__API__WORKERS",
+                "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE",
+            ):
+                del self.env[name]
         self.log_path = base / "standalone.log"
         self.proc: subprocess.Popen | None = None
         self.client = httpx.Client(base_url=self.url, timeout=30)
@@ -97,7 +93,14 @@ class Airflow:
         self.home.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
-            [AIRFLOW, "standalone"],
+            # What the README tells a user to run (it runs `airflow standalone`).
+            [
+                "make",
+                "airflow",
+                f"AIRFLOW_PORT={self.port}",
+                f"OUT={self.base}",
+                f"DATA={self.data}",
+            ],
             env=self.env,
             cwd=REPO,
             stdout=self._log,
