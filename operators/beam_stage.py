@@ -4,9 +4,15 @@
 :class:`BeamRunPythonPipelineOperator` (created at execute time: importing the provider pulls
 in the Google provider's Dataflow hooks, over a second that DAG parsing should not pay), with
 ``py_file`` a module name run with ``-m`` (``pipelines.tokenize`` as a script would shadow the standard
-library's ``tokenize``) by this interpreter. DirectRunner locally; with the ``DataflowRunner``
-param it passes a :class:`DataflowConfiguration` (project, region, job name) and the worker
-options, and the provider follows and (``on_kill``) cancels the Dataflow job.
+library's ``tokenize``) by this interpreter.
+
+DirectRunner locally. With ``runner=DataflowRunner`` the stage runs on Dataflow: the settings
+come from the platform (``SLIPWAY_DATAFLOW_<FIELD>`` environment variables, set by the Helm
+chart's ConfigMap) overlaid by the run's ``dataflow`` param, the project falling back to the
+GCP connection's. :func:`dataflow_settings` validates every value before it can reach the
+launcher's command line; :func:`dataflow_job_name` and :func:`dataflow_labels` make the job
+traceable to the Airflow run (DAG, run, task, step version); the provider follows the job and
+``on_kill`` cancels it (by id, or by its unique name while the launcher is still submitting).
 
 Each stage run is one step of :mod:`operators.graph`: a SUCCESS output is a cache hit (no Beam
 job, lineage CACHED); otherwise the job writes into the step's output directory and lineage
@@ -17,11 +23,14 @@ source and split, plus eval prose), each cached on its own.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -30,9 +39,287 @@ from operators.graph import STAGE_OUT
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
 from operators.steps import StepResult, StepSpec, join
 
-# Dataflow worker settings taken from the run's `dataflow` param (the rest go to
-# DataflowConfiguration).
-_DATAFLOW_OPTIONS = ("temp_location", "sdk_container_image", "max_num_workers")
+# -- Dataflow settings -------------------------------------------------------------------------
+
+DATAFLOW_ENV_PREFIX = "SLIPWAY_DATAFLOW_"  # + the field name upper-cased (Helm ConfigMap keys)
+DATAFLOW_FIELDS = (
+    "project_id",
+    "location",
+    "temp_location",
+    "staging_location",
+    "sdk_container_image",
+    "service_account",
+    "max_num_workers",
+    "experiments",
+)
+# Slipway's bound, not Dataflow's: more workers than this for one stage is a typo.
+MAX_DATAFLOW_WORKERS = 1000
+# The provider appends "-" + 8 hex characters to every job name (a fresh one per launch, so
+# retries and reruns never collide); Dataflow allows 63 characters in all.
+JOB_NAME_MAX = 63 - 9
+# Custom SDK containers need Runner v2 (Beam's Python default; stated so it cannot drift).
+RUNNER_V2 = "use_runner_v2"
+_NO_RUNNER_V2 = ("disable_runner_v2", "disable_prime_runner_v2")
+
+_PROJECT_RE = re.compile(r"^(?:[a-z][a-z0-9.-]*[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+_REGION_RE = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]+$")
+# gs://bucket[/path]: bucket naming rules; path characters that need no quoting anywhere.
+_GCS_RE = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](?:/[A-Za-z0-9._~=+@,/-]*)?$")
+_IMAGE_RE = re.compile(
+    # registry host (a port only before a path: "name:123" is a tag) or the first path part
+    r"^(?P<repo>[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]{1,5}(?=/))?"
+    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"  # path components (OCI rules)
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
+    r"(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
+)
+_SERVICE_ACCOUNT_RE = re.compile(
+    r"^[a-z0-9][a-z0-9._-]{0,62}@[a-z0-9][a-z0-9.-]*\.gserviceaccount\.com$"
+)
+_EXPERIMENT_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}(?:=[A-Za-z0-9_.:/-]{1,200})?$")
+
+
+class DataflowSettingsError(ValueError):
+    """Dataflow settings that must not reach a command line (every problem, one message)."""
+
+
+@dataclass(frozen=True)
+class DataflowSettings:
+    """Validated settings of the Dataflow jobs of one run."""
+
+    project_id: str
+    location: str
+    temp_location: str
+    staging_location: str
+    sdk_container_image: str
+    service_account: str | None = None
+    max_num_workers: int | None = None
+    experiments: tuple[str, ...] = (RUNNER_V2,)
+
+
+def platform_dataflow_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Platform defaults from ``SLIPWAY_DATAFLOW_<FIELD>`` (experiments comma-separated)."""
+    environ = os.environ if environ is None else environ
+    found: dict[str, Any] = {}
+    for name in DATAFLOW_FIELDS:
+        value = environ.get(DATAFLOW_ENV_PREFIX + name.upper(), "").strip()
+        if not value:
+            continue
+        if name == "experiments":
+            found[name] = [e.strip() for e in value.split(",") if e.strip()]
+        elif name == "max_num_workers":
+            found[name] = int(value) if value.isdigit() else value  # validated below
+        else:
+            found[name] = value
+    return found
+
+
+def _merge(platform: Mapping[str, Any], run: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's values win; empty ones ("" / None / []) fall through to the platform's."""
+    merged = dict(platform)
+    merged.update({k: v for k, v in run.items() if v not in ("", None, [], ())})
+    return merged
+
+
+def _check_image(image: Any) -> str | None:
+    if not isinstance(image, str) or not (match := _IMAGE_RE.match(image)):
+        return (
+            f"sdk_container_image {image!r} is not an image reference "
+            "(REGISTRY/PATH/NAME:TAG or @sha256:DIGEST)"
+        )
+    if not match["tag"] and not match["digest"]:
+        return f"sdk_container_image {image!r} needs a tag or digest (lineage records it)"
+    if match["tag"] == "latest" and not match["digest"]:
+        return f"sdk_container_image {image!r}: 'latest' is not reproducible; use a version tag"
+    return None
+
+
+def _check_experiments(experiments: Any) -> tuple[tuple[str, ...], list[str]]:
+    if isinstance(experiments, str) or not isinstance(experiments, list | tuple):
+        return (), [f"experiments must be a list of names, got {experiments!r}"]
+    problems = [
+        f"experiments: {e!r} is not NAME or NAME=VALUE"
+        for e in experiments
+        if not isinstance(e, str) or not _EXPERIMENT_RE.match(e)
+    ]
+    problems += [
+        f"experiments: {e} cannot be used: the custom SDK container needs Runner v2"
+        for e in experiments
+        if isinstance(e, str) and e.split("=", 1)[0] in _NO_RUNNER_V2
+    ]
+    # Runner v2 first, then the user's, each once, in order.
+    return tuple(dict.fromkeys([RUNNER_V2, *experiments])), problems
+
+
+def dataflow_settings(
+    run: Mapping[str, Any],
+    platform: Mapping[str, Any] | None = None,
+    *,
+    connection_project: str | None = None,
+) -> DataflowSettings:
+    """Merge, validate and complete the Dataflow settings of a run.
+
+    ``run`` is the run's ``dataflow`` param, ``platform`` the defaults
+    (:func:`platform_dataflow_settings`), ``connection_project`` the GCP connection's project,
+    used when neither names one. Raises :class:`DataflowSettingsError` listing every problem.
+    """
+    merged = _merge(platform or {}, run)
+    problems = [
+        f"unknown Dataflow setting {k!r}" for k in sorted(set(merged) - set(DATAFLOW_FIELDS))
+    ]
+    project = merged.get("project_id") or connection_project
+    if not project:
+        problems.append(
+            "project_id is not set (run form dataflow.project_id, "
+            f"{DATAFLOW_ENV_PREFIX}PROJECT_ID, or the GCP connection's project)"
+        )
+    elif not isinstance(project, str) or not _PROJECT_RE.match(project):
+        problems.append(f"project_id {project!r} is not a GCP project id")
+    location = merged.get("location")
+    if not isinstance(location, str) or not _REGION_RE.match(location):
+        problems.append(f"location {location!r} is not a Dataflow region (e.g. us-central1)")
+    temp = merged.get("temp_location")
+    if not isinstance(temp, str) or not _GCS_RE.match(temp):
+        problems.append(f"temp_location {temp!r} is not a gs://bucket/path")
+    staging = merged.get("staging_location") or (
+        f"{temp.rstrip('/')}/staging" if isinstance(temp, str) else None
+    )
+    if not isinstance(staging, str) or not _GCS_RE.match(staging):
+        problems.append(f"staging_location {staging!r} is not a gs://bucket/path")
+    image = merged.get("sdk_container_image")
+    if not image:
+        # Without it workers run Beam's stock image, which lacks the pipelines package.
+        problems.append("sdk_container_image is not set (the slipway-beam image)")
+    elif error := _check_image(image):
+        problems.append(error)
+    account = merged.get("service_account")
+    if account is not None and (
+        not isinstance(account, str) or not _SERVICE_ACCOUNT_RE.match(account)
+    ):
+        problems.append(f"service_account {account!r} is not a service account e-mail")
+    workers = merged.get("max_num_workers")
+    if workers is not None and (
+        isinstance(workers, bool)
+        or not isinstance(workers, int)
+        or not 1 <= workers <= MAX_DATAFLOW_WORKERS
+    ):
+        problems.append(
+            f"max_num_workers {workers!r} is not an integer in 1..{MAX_DATAFLOW_WORKERS}"
+        )
+    experiments, bad = _check_experiments(merged.get("experiments", []))
+    problems += bad
+    if problems:
+        raise DataflowSettingsError("invalid Dataflow settings:\n  " + "\n  ".join(problems))
+    return DataflowSettings(
+        project_id=project,
+        location=location,
+        temp_location=temp,
+        staging_location=staging,
+        sdk_container_image=image,
+        service_account=account,
+        max_num_workers=workers,
+        experiments=experiments,
+    )
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Which Airflow task try launches a job: what job names and labels trace back to."""
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    try_number: int = 1
+
+    @property
+    def run_hash(self) -> str:
+        """8 hex characters naming the DAG run in job names (run ids are long, with ':' '+')."""
+        return hashlib.sha256(f"{self.dag_id}\0{self.run_id}".encode()).hexdigest()[:8]
+
+
+def _slug(text: str, limit: int, allowed: str = "a-z0-9") -> str:
+    """Lowercase, other characters to '-', no leading/trailing/double '-', at most ``limit``."""
+    slug = re.sub(f"[^{allowed}]+", "-", text.lower()).strip("-")
+    return slug[:limit].rstrip("-")
+
+
+def dataflow_job_name(identity: RunIdentity, step_name: str, version: str) -> str:
+    """``{dag}-{step}-{version[:8]}-{run hash}``: DNS-safe, <= 54 characters, so <= 63 with the
+    provider's unique suffix; the labels carry the full, untruncated values."""
+    tail = f"-{version[:8]}-{identity.run_hash}"
+    head = "-".join(p for p in (_slug(identity.dag_id, 20), _slug(step_name, 24)) if p)
+    if not head[:1].isalpha():  # Dataflow names start with a letter
+        head = f"sw-{head}".rstrip("-")
+    return f"{head[: JOB_NAME_MAX - len(tail)].rstrip('-')}{tail}"
+
+
+def _label(text: str) -> str:
+    # Dataflow label values: <= 63 of lowercase letters, digits, '_' and '-'.
+    return _slug(text, 63, "a-z0-9_")
+
+
+def dataflow_labels(identity: RunIdentity, step_name: str, version: str) -> dict[str, str]:
+    """Job labels that find the job from the run and the run from the job."""
+    return {
+        "slipway-dag": _label(identity.dag_id),
+        "slipway-run": _label(identity.run_id),
+        "slipway-run-hash": identity.run_hash,
+        "slipway-task": _label(identity.task_id),
+        "slipway-try": str(identity.try_number),
+        "slipway-step": _label(step_name),
+        "slipway-version": version[:16],
+    }
+
+
+def dataflow_worker_options(settings: DataflowSettings) -> dict[str, Any]:
+    """Pipeline options for the workers (the rest go through ``DataflowConfiguration``)."""
+    options: dict[str, Any] = {
+        "temp_location": settings.temp_location,
+        "staging_location": settings.staging_location,
+        "sdk_container_image": settings.sdk_container_image,
+        # The image already holds this Beam SDK: do not stage a tarball of it per job.
+        "sdk_location": "container",
+        "experiments": list(settings.experiments),
+    }
+    if settings.max_num_workers is not None:
+        options["max_num_workers"] = settings.max_num_workers
+    return options
+
+
+def check_remote_paths(options: Mapping[str, Any]) -> None:
+    """Dataflow workers cannot read this machine's disk: every path must be on ``gs://``."""
+    problems = []
+    for key, value in options.items():
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(item, str) and (
+                item.startswith(("/", "file:", "./"))
+                or (key == "output" and not item.startswith("gs://"))
+            ):
+                problems.append(f"--{key}={item}")
+    if problems:
+        raise DataflowSettingsError(
+            "DataflowRunner needs gs:// paths (set SLIPWAY_HOME and the corpora folder to "
+            "gs://...), got: " + ", ".join(problems)
+        )
+
+
+def dataflow_configuration_kwargs(
+    settings: DataflowSettings, identity: RunIdentity, spec: StepSpec, gcp_conn_id: str
+) -> dict[str, Any]:
+    """Keyword arguments of the provider's ``DataflowConfiguration`` for one step's job."""
+    return {
+        "job_name": dataflow_job_name(identity, spec.name, spec.version),
+        "append_job_name": True,  # the provider's fresh suffix: unique per launch
+        "project_id": settings.project_id,
+        "location": settings.location,
+        "gcp_conn_id": gcp_conn_id,
+        "service_account": settings.service_account,
+        "wait_until_finished": True,
+        # Batch jobs: cancel (not drain) on kill, and wait for the cancel to be accepted.
+        "drain_pipeline": False,
+    }
+
+
+# -- the operator ------------------------------------------------------------------------------
 
 
 def describe_stage_output(output_dir: str) -> dict[str, Any]:
@@ -98,6 +385,7 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         self.stage_task = stage_task
         self.gcp_conn_id = gcp_conn_id
         self._beam: Any = None  # the provider operator running the current stage
+        self._identity: RunIdentity | None = None  # set per stage run: names Dataflow jobs
 
     def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         from operators.graph import build_graph
@@ -156,11 +444,22 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         options["config"] = json.dumps(
             dict(params["stage_configs"].get(stage_step.stage, {})), sort_keys=True
         )
+        self._identity = self._run_identity(context)
         self._beam = self.beam_operator(stage_step.stage, params, spec, options)
         self.log.info("%s: python -m pipelines.%s -> %s", spec.name, stage_step.stage, out)
         with _nested(self._beam):
             self._beam.execute(context)  # the provider's hook raises on a non-zero exit
         return describe_stage_output(out)
+
+    def _run_identity(self, context: Mapping[str, Any]) -> RunIdentity:
+        ti = context.get("ti")
+        try_number = getattr(ti, "try_number", None)
+        return RunIdentity(
+            dag_id=str(getattr(ti, "dag_id", None) or self.dag_id),
+            run_id=str(context.get("run_id") or getattr(ti, "run_id", None) or "manual"),
+            task_id=self.task_id,
+            try_number=try_number if isinstance(try_number, int) else 1,
+        )
 
     def beam_operator(
         self, stage: str, params: Mapping[str, Any], spec: StepSpec, options: dict[str, Any]
@@ -169,9 +468,9 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         from airflow.providers.apache.beam.operators.beam import BeamRunPythonPipelineOperator
 
         runner = params["runner"]
-        dataflow_config = (
-            self._dataflow_config(params, spec, options) if runner == "DataflowRunner" else None
-        )
+        dataflow_config = None
+        if runner == "DataflowRunner":
+            dataflow_config = self._dataflow_config(params, spec, options)
         return BeamRunPythonPipelineOperator(
             task_id=self.task_id,
             py_file=f"pipelines.{stage}",
@@ -185,27 +484,59 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         )
 
     def on_kill(self) -> None:
-        if self._beam is not None:
-            self._beam.on_kill()  # the provider cancels a Dataflow job
-        # The provider's hook keeps no handle on a local pipeline process: end our children.
+        # Our children first: a launcher still staging must not go on to submit a job. (The
+        # provider's hook keeps no handle on the pipeline process, local or launcher.)
         for pid in _child_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+        beam, self._beam = self._beam, None
+        if beam is None:
+            return
+        if getattr(beam, "dataflow_job_id", None) or not getattr(beam, "is_dataflow", False):
+            beam.on_kill()  # the provider cancels the Dataflow job whose id it read
+            return
+        self._cancel_by_name(beam)
 
-    @staticmethod
-    def _dataflow_config(params: Mapping[str, Any], spec: StepSpec, options: dict[str, Any]) -> Any:
+    def _cancel_by_name(self, beam: Any) -> None:
+        """Killed before the launcher printed the job id: the job may exist already, and its
+        name (with the provider's fresh suffix) is unique, so cancel whatever carries it."""
+        hook, name = getattr(beam, "dataflow_hook", None), getattr(beam, "dataflow_job_name", None)
+        if hook is None or not name:
+            return  # killed before the provider prepared a launch: nothing was submitted
+        config = beam.dataflow_config
+        self.log.info("Cancelling Dataflow job named %s (its id was not known yet)", name)
+        try:
+            hook.cancel_job(job_name=name, project_id=config.project_id, location=config.location)
+        except Exception:  # the task is being killed anyway: say what may be left running
+            self.log.exception("Could not cancel Dataflow job %s: cancel it in the console", name)
+
+    def _connection_project(self) -> str | None:
+        """The GCP connection's project (its ``project`` extra, else its credentials')."""
+        try:
+            from airflow.providers.google.common.hooks.base_google import GoogleBaseHook
+
+            return GoogleBaseHook(gcp_conn_id=self.gcp_conn_id).project_id or None
+        except Exception as exc:  # no such connection, no credentials: settings must name it
+            self.log.info("No project from connection %s: %s", self.gcp_conn_id, exc)
+            return None
+
+    def _dataflow_config(
+        self, params: Mapping[str, Any], spec: StepSpec, options: dict[str, Any]
+    ) -> Any:
+        """Validate everything, add the worker options and labels, and build the provider's
+        ``DataflowConfiguration``; nothing is launched when a value is refused."""
         from airflow.providers.google.cloud.operators.dataflow import DataflowConfiguration
 
-        dataflow = dict(params.get("dataflow") or {})
-        for key in _DATAFLOW_OPTIONS:
-            if dataflow.get(key):
-                options[key] = dataflow[key]
-        # Dataflow job names: lowercase letters, digits and '-'; the hook appends a suffix.
-        job = f"slipway-{spec.name}-{spec.version[:8]}".replace("/", "-").replace("_", "-")
+        check_remote_paths(options)
+        run = dict(params.get("dataflow") or {})
+        platform = platform_dataflow_settings()
+        connection_project = None
+        if not (run.get("project_id") or platform.get("project_id")):
+            connection_project = self._connection_project()
+        settings = dataflow_settings(run, platform, connection_project=connection_project)
+        identity = self._identity or RunIdentity(self.dag_id, "unknown", self.task_id)
+        options.update(dataflow_worker_options(settings))
+        options["labels"] = dataflow_labels(identity, spec.name, spec.version)
         return DataflowConfiguration(
-            job_name=job.lower(),
-            project_id=dataflow.get("project_id"),
-            location=dataflow.get("location"),
-            service_account=dataflow.get("service_account"),
-            wait_until_finished=True,
+            **dataflow_configuration_kwargs(settings, identity, spec, self.gcp_conn_id)
         )

@@ -1,0 +1,418 @@
+"""BeamStageOperator on Dataflow, up to the network boundary.
+
+Nothing here reaches GCP: the provider's code runs for real (its operator, DataflowHook
+construction, job-name suffix, option formatting, job-id parsing, links, XCom) and the test
+intercepts at its two exits, ``run_beam_command`` (the launcher subprocess) and the
+DataflowHook's API calls (``wait_for_done``, ``cancel_job``). The last test runs the same
+module with the same options on the DirectRunner, as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from operators.beam_stage import (
+    DATAFLOW_FIELDS,
+    JOB_NAME_MAX,
+    DataflowSettingsError,
+    RunIdentity,
+    dataflow_job_name,
+    dataflow_labels,
+    dataflow_settings,
+)
+from operators.graph import StageStep
+from operators.steps import Step, resolve
+
+PROJECT = "slipway-test"
+BUCKET = "gs://slipway-test-bucket"
+IMAGE = "us-central1-docker.pkg.dev/slipway-test/slipway/slipway-beam:0.1.0"
+ACCOUNT = "slipway-dataflow@slipway-test.iam.gserviceaccount.com"
+ROOT = f"{BUCKET}/slipway/steps"
+RAW = f"{BUCKET}/data/raw/brown.jsonl.gz"
+STEP = Step("ingest", {"stage": "ingest", "input": [RAW]})
+VERSION = STEP.version
+OUT = f"{ROOT}/ingest-{VERSION[:8]}/output"
+JOB_ID = "2026-05-01_01_02_03-1234567890123456789"
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DATAFLOW = {
+    "project_id": PROJECT,
+    "location": "europe-west4",
+    "temp_location": f"{BUCKET}/dataflow/tmp",
+    "sdk_container_image": IMAGE,
+    "service_account": ACCOUNT,
+    "max_num_workers": 16,
+}
+
+
+class FakeTaskInstance:
+    """Stands in for Airflow's RuntimeTaskInstance: identity fields and XCom pushes."""
+
+    def __init__(self, dag_id: str = "slipway_pipeline", run_id: str = "manual__2026-05-01"):
+        self.dag_id, self.run_id, self.try_number = dag_id, run_id, 2
+        self.xcom: dict[str, Any] = {}
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.xcom[key] = value
+
+
+class FakeDataflow:
+    """The network boundary: records what the provider would run and ask Dataflow."""
+
+    commands: ClassVar[list[list[str]]] = []
+    waited: ClassVar[list[dict[str, Any]]] = []
+    cancelled: ClassVar[list[dict[str, Any]]] = []
+    during_launch: ClassVar[Any] = None  # called while "submitting" (simulates a kill)
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.commands, cls.waited, cls.cancelled, cls.during_launch = [], [], [], None
+
+    @classmethod
+    def run_beam_command(
+        cls,
+        cmd: list[str],
+        log: Any,
+        process_line_callback: Any = None,
+        working_directory: str | None = None,
+        is_dataflow_job_id_exist_callback: Any = None,
+    ) -> None:
+        cls.commands.append(list(cmd))
+        if cls.during_launch is not None:
+            cls.during_launch()
+            raise RuntimeError("Apache Beam process failed with return code -15")
+        # What Beam's DataflowRunner logs once the job exists; the provider parses it.
+        process_line_callback(f"INFO:apiclient:Created job with id: [{JOB_ID}]\n")
+        assert is_dataflow_job_id_exist_callback()
+
+    @classmethod
+    def wait_for_done(cls, self: Any, **kwargs: Any) -> None:
+        cls.waited.append(kwargs)
+
+    @classmethod
+    def cancel_job(cls, self: Any, **kwargs: Any) -> None:
+        cls.cancelled.append(kwargs)
+
+    @staticmethod
+    def beam_version(cmd: list[str], *args: Any, **kwargs: Any) -> bytes:
+        # The hook asks the interpreter for Beam's version before launching (seconds each).
+        assert cmd[0] == sys.executable and "apache_beam" in cmd[-1]
+        return b"2.77.0\n"
+
+
+@pytest.fixture(autouse=True)
+def boundary(monkeypatch):
+    from airflow.providers.apache.beam.hooks import beam as beam_hooks
+    from airflow.providers.google.cloud.hooks.dataflow import DataflowHook
+
+    import operators.beam_stage
+
+    FakeDataflow.reset()
+    monkeypatch.setattr(beam_hooks, "run_beam_command", FakeDataflow.run_beam_command)
+    monkeypatch.setattr(beam_hooks.subprocess, "check_output", FakeDataflow.beam_version)
+    monkeypatch.setattr(
+        DataflowHook, "wait_for_done", lambda self, **kw: FakeDataflow.wait_for_done(self, **kw)
+    )
+    monkeypatch.setattr(
+        DataflowHook, "cancel_job", lambda self, **kw: FakeDataflow.cancel_job(self, **kw)
+    )
+    # on_kill SIGTERMs the task's children: here those would be pytest's own, not a launcher.
+    monkeypatch.setattr(operators.beam_stage, "_child_pids", lambda: [])
+    # The job's manifest would be read from gs:// once it finished: there is none here.
+    monkeypatch.setattr(operators.beam_stage, "describe_stage_output", lambda out: {})
+    # An anonymous connection with a project: the provider builds its hooks offline.
+    extra = {"project": "slipway-conn", "is_anonymous": True}
+    conn = {"conn_type": "google_cloud_platform", "extra": extra}
+    monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps(conn))
+    for name in DATAFLOW_FIELDS:
+        monkeypatch.delenv(f"SLIPWAY_DATAFLOW_{name.upper()}", raising=False)
+    return FakeDataflow
+
+
+def _params(dataflow: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "runner": "DataflowRunner",
+        "dataflow": dict(DATAFLOW if dataflow is None else dataflow),
+        "stage_configs": {"ingest": {"source": "web"}},
+    }
+
+
+def _launch(op: Any, params: dict[str, Any], ti: FakeTaskInstance, raw: str = RAW) -> Any:
+    """Run the operator's stage code path for one ingest step, up to the provider's exits."""
+    stage = StageStep(STEP, "ingest", {"input": [raw], "num_shards": 2}, "dataset")
+    context = {"params": params, "run_id": ti.run_id, "ti": ti, "task_instance": ti}
+    op._run_stage(context, params, stage, resolve(STEP, op.steps_root()))
+    return op._beam
+
+
+def _operator(monkeypatch, root: str = ROOT) -> Any:
+    from operators.beam_stage import BeamStageOperator
+
+    op = BeamStageOperator(stage_task="ingest")
+    monkeypatch.setattr(op, "steps_root", lambda: root)
+    return op
+
+
+# -- the command and the job ------------------------------------------------------------------
+
+
+def test_dataflow_command_and_job_are_exact(monkeypatch):
+    from airflow.version import version as airflow_version
+
+    op, ti = _operator(monkeypatch), FakeTaskInstance()
+    beam = _launch(op, _params(), ti)
+
+    (cmd,) = FakeDataflow.commands
+    job = beam.dataflow_job_name
+    identity = RunIdentity("slipway_pipeline", "manual__2026-05-01", "ingest", 2)
+    base = dataflow_job_name(identity, "ingest", VERSION)
+    assert base == f"slipway-pipeline-ingest-{VERSION[:8]}-{identity.run_hash}"
+    assert re.fullmatch(rf"{base}-[0-9a-f]{{8}}", job) and len(job) <= 63
+
+    assert cmd[:4] == [sys.executable, "-m", "pipelines.ingest", "--runner=DataflowRunner"]
+    labels = {
+        "slipway-dag": "slipway_pipeline",
+        "slipway-run": "manual__2026-05-01",
+        "slipway-run-hash": identity.run_hash,
+        "slipway-task": "ingest",
+        "slipway-try": "2",
+        "slipway-step": "ingest",
+        "slipway-version": VERSION[:16],
+        "airflow-version": "v" + airflow_version.replace(".", "-").replace("+", "-"),
+    }
+    expected = [
+        f"--job_name={job}",
+        f"--service_account_email={ACCOUNT}",
+        f"--project={PROJECT}",
+        "--region=europe-west4",
+        *(f"--labels={k}={v}" for k, v in labels.items()),
+        f"--input={RAW}",
+        "--num_shards=2",
+        f"--output={OUT}",
+        '--config={"source": "web"}',
+        f"--temp_location={BUCKET}/dataflow/tmp",
+        f"--staging_location={BUCKET}/dataflow/tmp/staging",
+        f"--sdk_container_image={IMAGE}",
+        "--sdk_location=container",
+        "--experiments=use_runner_v2",
+        "--max_num_workers=16",
+    ]
+    # Exact: every argument, each once (argparse does not care about their order).
+    assert Counter(cmd[4:]) == Counter(expected)
+
+    # The provider read the job id, exposed it (XCom + console link) and waited on that job.
+    assert beam.dataflow_job_id == JOB_ID
+    assert ti.xcom["dataflow_job_id"] == JOB_ID
+    assert ti.xcom["dataflow_job_config"]["job_id"] == JOB_ID
+    assert FakeDataflow.waited == [
+        {"job_name": job, "location": "europe-west4", "job_id": JOB_ID, "project_id": PROJECT}
+    ]
+
+
+def test_on_kill_cancels_the_running_job(monkeypatch):
+    op = _operator(monkeypatch)
+    beam = _launch(op, _params(), FakeTaskInstance())
+    op._beam = beam  # as while the provider waits on the job
+    op.on_kill()
+    assert FakeDataflow.cancelled == [
+        {"job_id": JOB_ID, "project_id": PROJECT, "location": "europe-west4"}
+    ]
+
+
+def test_on_kill_while_submitting_cancels_by_the_unique_name(monkeypatch):
+    op = _operator(monkeypatch)
+    FakeDataflow.during_launch = op.on_kill  # killed before the launcher printed the job id
+    with pytest.raises(RuntimeError, match="return code -15"):
+        _launch(op, _params(), FakeTaskInstance())
+    (cancel,) = FakeDataflow.cancelled
+    assert cancel["project_id"] == PROJECT and cancel["location"] == "europe-west4"
+    assert re.fullmatch(
+        rf"slipway-pipeline-ingest-{VERSION[:8]}-[0-9a-f]{{8}}-[0-9a-f]{{8}}", cancel["job_name"]
+    )
+
+
+def test_platform_defaults_connection_project_and_run_overrides(monkeypatch):
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_LOCATION", "us-central1")
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_TEMP_LOCATION", f"{BUCKET}/platform/tmp")
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE", IMAGE)
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_EXPERIMENTS", "enable_data_sampling, use_runner_v2")
+    op = _operator(monkeypatch)
+    beam = _launch(op, _params({"location": "europe-west1"}), FakeTaskInstance())
+    args = FakeDataflow.commands[0]
+    assert "--project=slipway-conn" in args  # neither the run nor the platform named one
+    assert "--region=europe-west1" in args  # the run's value wins
+    assert f"--temp_location={BUCKET}/platform/tmp" in args
+    assert [a for a in args if a.startswith("--experiments")] == [
+        "--experiments=use_runner_v2",
+        "--experiments=enable_data_sampling",
+    ]
+    assert not any(a.startswith(("--service_account_email", "--max_num_workers")) for a in args)
+    assert beam.dataflow_config.project_id == "slipway-conn"
+
+
+def test_no_project_anywhere_is_refused_before_launch(monkeypatch):
+    monkeypatch.delenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT")
+    op = _operator(monkeypatch)
+    with pytest.raises(DataflowSettingsError, match="project_id is not set"):
+        _launch(
+            op,
+            _params({k: v for k, v in DATAFLOW.items() if k != "project_id"}),
+            FakeTaskInstance(),
+        )
+    assert FakeDataflow.commands == []
+
+
+def test_local_paths_are_refused_for_dataflow(monkeypatch, tmp_path):
+    op = _operator(monkeypatch, root=str(tmp_path / "steps"))
+    with pytest.raises(DataflowSettingsError, match=r"gs:// paths.*--input=/data/raw"):
+        _launch(op, _params(), FakeTaskInstance(), raw="/data/raw/brown.jsonl.gz")
+    assert FakeDataflow.commands == []
+
+
+# -- job names --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dag_id", "run_id", "step"),
+    [
+        ("slipway_pipeline", "manual__2026-05-01T10:00:00.123456+00:00", "ingest"),
+        ("Slipway_Pipeline", "scheduled__2026-05-01T00:00:00+00:00", "tokens/train/python-stdlib"),
+        (
+            "2026_nightly_sweep_with_a_very_long_dag_identifier",
+            "backfill__x",
+            "tokens/eval/lambada",
+        ),
+        ("ščťž", "r", "ingest"),
+        ("---", "r", "///"),
+        ("a" * 250, "b" * 250, "c" * 250),
+    ],
+)
+def test_job_names_are_dns_safe_short_and_traceable(dag_id, run_id, step):
+    from airflow.providers.google.cloud.hooks.dataflow import DataflowHook
+
+    identity = RunIdentity(dag_id, run_id, "tokenize", 1)
+    name = dataflow_job_name(identity, step, VERSION)
+    assert DNS_LABEL.match(name) and len(name) <= JOB_NAME_MAX
+    assert name.endswith(f"-{VERSION[:8]}-{identity.run_hash}")
+    # The provider accepts it and its unique suffix keeps it within Dataflow's 63.
+    final = DataflowHook.build_dataflow_job_name(name, append_job_name=True)
+    assert DNS_LABEL.match(final) and len(final) <= 63
+    # Deterministic per (run, step, version); another run or version gets another name.
+    assert dataflow_job_name(identity, step, VERSION) == name
+    other_run = RunIdentity(dag_id, run_id + "x", "tokenize", 1)
+    assert dataflow_job_name(other_run, step, VERSION) != name
+    assert dataflow_job_name(identity, step, "f" * 64) != name
+    for key, value in dataflow_labels(identity, step, VERSION).items():
+        assert re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", key)
+        assert re.fullmatch(r"[a-z0-9_-]{0,63}", value), (key, value)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("project_id", "Slipway Test", "not a GCP project id"),
+        ("project_id", "slipway-test --runner=DirectRunner", "not a GCP project id"),
+        ("location", "us-central1-a", "not a Dataflow region"),
+        ("location", "europe-west4;id", "not a Dataflow region"),
+        ("temp_location", "/tmp/dataflow", "temp_location"),
+        ("temp_location", "gs://Bad_Bucket/tmp", "temp_location"),
+        ("temp_location", "gs://bucket/tmp dir", "temp_location"),
+        ("staging_location", "s3://bucket/staging", "staging_location"),
+        ("sdk_container_image", "slipway-beam", "needs a tag or digest"),
+        ("sdk_container_image", "slipway-beam:latest", "not reproducible"),
+        ("sdk_container_image", "slipway-beam:0.1 --x", "not an image reference"),
+        ("sdk_container_image", "", "sdk_container_image is not set"),
+        ("service_account", "alice@example.com", "not a service account"),
+        ("max_num_workers", 0, "max_num_workers"),
+        ("max_num_workers", 100_000, "max_num_workers"),
+        ("max_num_workers", True, "max_num_workers"),
+        ("max_num_workers", "8", "max_num_workers"),
+        ("experiments", "use_runner_v2", "must be a list"),
+        ("experiments", ["shuffle_mode=service --x"], "not NAME or NAME=VALUE"),
+        ("experiments", ["disable_runner_v2"], "needs Runner v2"),
+        ("region", "us-central1", "unknown Dataflow setting 'region'"),
+    ],
+)
+def test_each_bad_value_is_refused_with_its_field(field, value, message):
+    with pytest.raises(DataflowSettingsError, match=re.escape(message)):
+        dataflow_settings({**DATAFLOW, field: value})
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(DataflowSettingsError) as err:
+        dataflow_settings({"location": "x", "temp_location": "y", "max_num_workers": -1})
+    text = str(err.value)
+    for field in ("project_id", "location", "temp_location", "staging_location"):
+        assert field in text
+    assert "sdk_container_image" in text and "max_num_workers" in text
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "slipway-beam:123",
+        "localhost:5000/slipway-beam:0.1.0",
+        "europe-docker.pkg.dev/p/repo/slipway-beam:0.1.0-rc1",
+        f"slipway-beam:0.1.0@sha256:{'b' * 64}",
+    ],
+)
+def test_image_references_that_are_accepted(image):
+    assert (
+        dataflow_settings({**DATAFLOW, "sdk_container_image": image}).sdk_container_image == image
+    )
+
+
+def test_valid_settings_are_completed():
+    digest = "sha256:" + "a" * 64
+    settings = dataflow_settings(
+        {"location": "us-central1", "temp_location": f"{BUCKET}/t/", "experiments": ["a_b=1"]},
+        {"sdk_container_image": f"slipway-beam@{digest}"},
+        connection_project="example.com:slipway-test",
+    )
+    assert settings.project_id == "example.com:slipway-test"
+    assert settings.staging_location == f"{BUCKET}/t/staging"
+    assert settings.experiments == ("use_runner_v2", "a_b=1")
+
+
+# -- the same module, the same options, on the DirectRunner -----------------------------------
+
+
+def test_the_dataflow_options_run_the_module_locally(monkeypatch, tmp_path):
+    """The argument list built for Dataflow, with the runner switched to DirectRunner and the
+    gs:// paths switched to local ones, runs the real stage module in a subprocess."""
+    op = _operator(monkeypatch)
+    _launch(op, _params(), FakeTaskInstance())
+    (cmd,) = FakeDataflow.commands
+
+    docs = [{"id": f"d{i}", "text": f"document number {i} " * 8, "source": "web"} for i in range(5)]
+    docs.append({"id": "empty", "text": "", "source": "web"})
+    raw = tmp_path / "raw.jsonl.gz"
+    raw.write_bytes(gzip.compress("".join(json.dumps(d) + "\n" for d in docs).encode()))
+    out = tmp_path / "out"
+    local = {
+        "--runner=DataflowRunner": "--runner=DirectRunner",
+        f"--input={RAW}": f"--input={raw}",
+        f"--output={OUT}": f"--output={out}",
+    }
+    argv = [local.get(arg, arg) for arg in cmd]
+    assert sum(a != b for a, b in zip(argv, cmd, strict=True)) == 3
+
+    monkeypatch.undo()  # the provider's real subprocess runner, not the fake
+    from airflow.providers.apache.beam.hooks.beam import BeamHook, run_beam_command
+
+    run_beam_command(argv, BeamHook(runner="DirectRunner").log)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["records_in"] == 6
+    assert manifest["records_out"] + sum(manifest["dropped"].values()) == 6
+    assert manifest["config"]["source"] == "web"
+    assert Path(out / "data").is_dir()
