@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -64,6 +65,9 @@ def _demo_stage_configs() -> dict[str, Any]:
     configs = {stage: dict(configs.get(stage, {})) for stage in STAGES}
     configs["train_tokenizer"].setdefault("vocab_size", 2048)
     return configs
+
+
+DATA_DIR_PATTERN = r"^(?!.*(^|/)\.\.(/|$))(|/[^\s\x00-\x1f]*|gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s\x00-\x1f]*)?)$"
 
 
 def pipeline_params() -> dict[str, Param]:
@@ -128,6 +132,29 @@ def pipeline_params() -> dict[str, Param]:
             },
             additionalProperties=False,
         ),
+        "gke": Param(
+            {},
+            type="object",
+            title="GKE settings",
+            description="For backend=gke: namespace (required) and one credentials source -- "
+            "cluster_name + location [+ project_id, gcp_conn_id] (GKE via a GCP connection), "
+            "kubeconfig [+ context], or in_cluster -- plus an optional Workload-Identity "
+            "service_account and Kueue queue.",
+            properties={
+                "namespace": {"type": "string"},
+                "cluster_name": {"type": "string"},
+                "location": {"type": "string"},
+                "project_id": {"type": "string"},
+                "gcp_conn_id": {"type": "string"},
+                "use_internal_ip": {"type": "boolean"},
+                "kubeconfig": {"type": "string"},
+                "context": {"type": "string"},
+                "in_cluster": {"type": "boolean"},
+                "service_account": {"type": "string"},
+                "queue": {"type": "string"},
+            },
+            additionalProperties=False,
+        ),
         "image": Param(
             "slipway/trainer:dev",
             type="string",
@@ -153,8 +180,12 @@ def pipeline_params() -> dict[str, Param]:
         "data_dir": Param(
             "",
             type="string",
+            # An absolute local folder or a gs:// prefix: no relative paths (a task's working
+            # directory is nobody's business), no `..` segments, no whitespace or controls.
+            pattern=DATA_DIR_PATTERN,
             title="Corpora folder",
-            description="Holds raw/ and eval/ (default $SLIPWAY_DATA_DIR or ./data).",
+            description="Holds raw/ and eval/: an absolute folder or gs://bucket/prefix "
+            "(default $SLIPWAY_DATA_DIR or ./data).",
         ),
         "fail_at_step": Param(
             0,
@@ -182,6 +213,64 @@ def sources_of(params: Mapping[str, Any]) -> tuple[Source, ...]:
     return tuple(Source(str(s["name"]), float(s["weight"])) for s in params["sources"])
 
 
+# The `gke` object's keys that say where the cluster is (operators.jobset.gke.ClusterSettings;
+# a unit test checks they agree), and those that go into the manifest.
+GKE_CLUSTER_KEYS = (
+    "namespace",
+    "kubeconfig",
+    "context",
+    "in_cluster",
+    "gcp_conn_id",
+    "project_id",
+    "location",
+    "cluster_name",
+    "use_internal_ip",
+)
+GKE_LAUNCH_KEYS = ("service_account", "queue")
+DEV_IMAGE = "slipway/trainer:dev"  # the form's default: runs locally, pullable by no cluster
+_GCP_LOCATION = re.compile(r"^[a-z]+-[a-z]+[0-9]+(-[a-z])?$")  # us-central2, us-east5-a
+_GCP_PROJECT = re.compile(r"^([a-z][-a-z0-9.]*:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$")
+_GKE_CLUSTER = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+
+
+def gke_cluster(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The run form's cluster settings (:class:`~operators.jobset.gke.ClusterSettings` dict)."""
+    gke = params.get("gke") or {}
+    return {k: gke[k] for k in GKE_CLUSTER_KEYS if k in gke}
+
+
+def _gke_problems(params: Mapping[str, Any]) -> list[str]:
+    """backend=gke: the settings a GKE launch needs, checked before any task runs."""
+    from operators.jobset.gke import ClusterSettings
+
+    gke = params.get("gke") or {}
+    problems: list[str] = []
+    if not gke.get("namespace"):
+        problems.append("gke.namespace: backend=gke needs the training namespace")
+    # The backend's own checks: namespace a DNS-1123 label, one credentials source, ...
+    settings = ClusterSettings.from_dict(gke_cluster(params))
+    problems += [f"gke.{p}" for p in settings.problems()]
+    if gke.get("cluster_name") and not _GKE_CLUSTER.match(gke["cluster_name"]):
+        problems.append(
+            f"gke.cluster_name {gke['cluster_name']!r}: lowercase letters, digits and '-', "
+            "starting with a letter, at most 40 characters"
+        )
+    if gke.get("location") and not _GCP_LOCATION.match(gke["location"]):
+        problems.append(
+            f"gke.location {gke['location']!r}: a GCP region or zone (us-central2, us-east5-a)"
+        )
+    if gke.get("project_id") and not _GCP_PROJECT.match(gke["project_id"]):
+        problems.append(f"gke.project_id {gke['project_id']!r}: not a GCP project id")
+    if params.get("image") == DEV_IMAGE:
+        problems.append(
+            f"image: {DEV_IMAGE} is the local default; backend=gke needs the trainer image in "
+            "a registry the cluster can pull (e.g. us-docker.pkg.dev/<project>/<repo>/trainer:<tag>)"
+        )
+    if params.get("fail_at_step"):
+        problems.append("fail_at_step: fault injection is for backend=local only")
+    return problems
+
+
 def check_run_config(params: Mapping[str, Any]) -> None:
     """Cross-field checks JSON schema cannot express. Raises :class:`RunConfigError`."""
     # Lazy: the catalogue is cheap, but keep parse-time imports to Param only.
@@ -203,10 +292,7 @@ def check_run_config(params: Mapping[str, Any]) -> None:
             f"fail_at_step: {params['fail_at_step']} must be below steps ({params['steps']})"
         )
     if params["backend"] == "gke":
-        problems.append(
-            "backend: gke is not available yet (the local backend runs the same manifest); "
-            "see docs/orchestration.md"
-        )
+        problems.extend(_gke_problems(params))
     if params["runner"] == "DataflowRunner":
         missing = [
             k for k in ("project_id", "location", "temp_location") if not params["dataflow"].get(k)
@@ -224,5 +310,16 @@ def check_run_config(params: Mapping[str, Any]) -> None:
         )
     except ManifestError as exc:
         problems.append(f"accelerator/topology/slices: {exc}")
+    if params["backend"] == "gke":
+        gke = params.get("gke") or {}
+        # Service account and queue go into the manifest: the renderer's own checks.
+        for key in GKE_LAUNCH_KEYS:
+            if gke.get(key):
+                try:
+                    TrainingLaunch(
+                        name="check", image="check", config_uri="check.json", **{key: gke[key]}
+                    )
+                except ManifestError as exc:
+                    problems.append(f"gke.{key}: {exc}")
     if problems:
         raise RunConfigError("invalid run configuration:\n  " + "\n  ".join(problems))

@@ -2,9 +2,18 @@
 
 :class:`TrainingOperator` writes the trainer config (``trainer/config.py`` format) into the
 ``train`` step's output directory, renders the JobSet manifest (:mod:`operators.jobset`) and
-runs it through :class:`~operators.hooks.jobset.JobSetHook` (``local`` now, ``gke`` later),
-with every pod's output in the task log. Killing the task (``on_kill``) cancels the pods:
-SIGTERM, the trainer checkpoints, SIGKILL after the grace period.
+runs it through :class:`~operators.hooks.jobset.JobSetHook`, with every pod's output in the
+task log. Killing the task (``on_kill``) cancels the pods: SIGTERM, the trainer checkpoints,
+SIGKILL after the grace period.
+
+With ``backend=gke`` the training task is **deferrable**: it claims the step (lease), creates
+the JobSet on the cluster and defers to :class:`~operators.triggers.jobset.JobSetTrigger`,
+which follows the JobSet in the triggerer (restarts, leader pod log lines) and renews the
+step's lease; ``execute_complete`` reads the trainer's result and records the step and its
+lineage as the local path does. A deferred task killed by a user is handled by the trigger's
+``on_kill`` (JobSet deleted); a trigger timeout (``execution_timeout``) or trigger failure
+resumes the task through ``__fail__``, where :meth:`TrainingOperator.resume_execution` deletes
+the JobSet and fails the step before Airflow fails the task. No TPU slice is left orphaned.
 
 The step's output directory is the trainer's ``output_dir``, so a rerun of a FAILED step
 (Airflow retry, cleared task, backfill) resumes from its last checkpoint.
@@ -31,11 +40,13 @@ from typing import Any
 from airflow.sdk import BaseOperator
 
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
-from operators.steps import StepResult, StepSpec, join, output_path
+from operators.steps import Step, StepResult, StepSpec, join, output_path
 
 TRAINER_CONFIG = "trainer_config.json"
 JOBSET_MANIFEST = "jobset.json"
 POLL_SECONDS = 1.0
+GKE_POLL_SECONDS = 30.0  # a watch returns at once on a change; this bounds a quiet wait
+GKE_LOG_SECONDS = 60.0  # leader pod log lines in the task log this often
 FAULT_POLL_SECONDS = 0.05  # small models run hundreds of steps a second once compiled
 PROGRESS_SECONDS = 10.0  # the trainer prints no per-step lines: log metrics.jsonl this often
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
@@ -135,11 +146,15 @@ def _jobset_name(kind: str, spec: StepSpec) -> str:
 class _JobSetRunner:
     """Submit a manifest, stream its logs, watch it, cancel it on kill."""
 
-    def __init__(self, operator: BaseOperator, backend: str) -> None:
+    def __init__(
+        self, operator: BaseOperator, backend: str, cluster: Mapping[str, Any] | None = None
+    ) -> None:
         from operators.hooks.jobset import JobSetHook
 
         self.operator = operator
-        self.backend = JobSetHook(backend, log_sink=operator.log.info).get_backend()
+        self.backend = JobSetHook(
+            backend, cluster=cluster, log_sink=operator.log.info
+        ).get_backend()
         self.handle: Any = None
 
     def run(
@@ -180,15 +195,61 @@ class _JobSetRunner:
 def _launch(spec_name: str, params: Mapping[str, Any], **kwargs: Any) -> Any:
     from operators.jobset import TrainingLaunch
 
+    labels = {"app.kubernetes.io/part-of": "slipway", **kwargs.pop("labels", {})}
     return TrainingLaunch(
         name=spec_name,
         image=params["image"],
         accelerator=params["accelerator"],
         topology=params["topology"],
         slices=int(params["slices"]),
-        labels={"app.kubernetes.io/part-of": "slipway"},
+        labels=labels,
         **kwargs,
     )
+
+
+def _is_gke(spec: StepSpec | Step) -> bool:
+    return spec.unversioned.get("backend", "local") == "gke"
+
+
+def _gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Namespace, Workload-Identity service account, Kueue queue and the step labels that let
+    a resubmission recognise its own JobSet (same name, same step version: adopt it)."""
+    from operators.jobset.gke import STEP_LABEL, STEP_VERSION_LABEL
+    from operators.params import gke_cluster
+
+    gke = dict(params.get("gke") or {})
+    options: dict[str, Any] = {
+        "namespace": gke_cluster(params).get("namespace", "default"),
+        "labels": {STEP_LABEL: spec.name, STEP_VERSION_LABEL: spec.version[:63]},
+    }
+    for key in ("service_account", "queue"):
+        if gke.get(key):
+            options[key] = gke[key]
+    return options
+
+
+def _training_result(out: str, status: Any, resumed_from: int | None) -> dict[str, Any]:
+    """The train step's result from the trainer's files; :class:`TrainingFailed` unless both
+    the JobSet and the trainer say it succeeded."""
+    result = _read_json(join(out, "result.json")) or {}
+    if not status.succeeded or result.get("status") != "succeeded":
+        raise TrainingFailed(
+            f"JobSet {status.terminal_state} ({status.reason}: {status.message}); "
+            f"exit codes {status.exit_codes}; trainer: {result.get('status')} "
+            f"{result.get('error') or ''}".strip()
+        )
+    metrics = read_metrics(out)
+    ckpt = last_checkpoint(out)
+    return {
+        "steps": result.get("steps"),
+        "params": result.get("params"),
+        "loss_start": metrics[0]["loss"] if metrics else None,
+        "loss_end": result.get("final_loss"),
+        "checkpoint": ckpt[1] if ckpt else None,
+        "checkpoint_step": ckpt[0] if ckpt else None,
+        "resumed_from": resumed_from,
+        "restarts": status.restarts,
+    }
 
 
 def _write_json(path: str, body: Any) -> None:
@@ -204,10 +265,19 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
 
     ui_color = "#f5d0a9"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        gke_poll_seconds: float = GKE_POLL_SECONDS,
+        gke_log_seconds: float = GKE_LOG_SECONDS,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("task_id", "train")
         super().__init__(**kwargs)
+        self.gke_poll_seconds = gke_poll_seconds
+        self.gke_log_seconds = gke_log_seconds
         self._jobset: _JobSetRunner | None = None
+        self._gke: Any = None  # (backend, handle) while a gke submission is in this process
 
     def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         from operators.graph import build_graph
@@ -217,24 +287,425 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         inputs = [output_path(root, s) for s in graph.train_stores.values()]
         return inputs, [output_path(root, graph.train)]
 
+    @staticmethod
+    def _inputs(step: Step) -> list[ArtifactRef]:
+        from operators.graph import TOKEN_STORE
+
+        return [
+            ArtifactRef(s["path"], TOKEN_STORE, role=f"train_data:{s['name']}")
+            for s in step.config["sources"]
+        ]
+
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.graph import TOKEN_STORE, build_graph
+        from operators.graph import build_graph
 
         params = self.run_params(context)
         graph = build_graph(params)
         step = graph.train
+        if _is_gke(step):
+            return self._execute_gke(context, params, step)
         result = self.run_step(
             context,
             step,
             lambda spec: self._train(spec, params),
-            inputs=[
-                ArtifactRef(s["path"], TOKEN_STORE, role=f"train_data:{s['name']}")
-                for s in step.config["sources"]
-            ],
+            inputs=self._inputs(step),
             outputs=self._outputs,
             failure_properties=self._failure_properties,
             complete_properties=self._complete_properties,
         )
+        return {
+            "outcome": str(result.outcome),
+            "output": result.spec.output_path,
+            **(result.result or {}),
+        }
+
+    # -- gke: submit, defer, complete ---------------------------------------------------------
+    #
+    # The step model and lineage as run_step does them, split at the deferral: execute starts
+    # the lineage execution and claims the step (SubmittingStepRunner keeps its lease held),
+    # the trigger renews the lease while the JobSet runs, execute_complete ends both.
+
+    def _execute_gke(
+        self,
+        context: Any,
+        params: Mapping[str, Any],
+        step: Step,
+        execution: int | None = None,
+        allow_follow: bool = True,
+    ) -> dict[str, Any]:
+        from operators.steps import Status, resolve
+        from operators.triggers.lease import SubmittingStepRunner
+
+        root = self.steps_root()
+        spec = resolve(step, root)
+        self._remember_io(
+            [resolve_uri(a.uri, root) for a in self._inputs(step)], [spec.output_path]
+        )
+        store = self.lineage_store()
+        try:
+            if execution is None:
+                execution = self._start_execution(store, context, step, spec, root)
+            if allow_follow and (target := self._follow_target(root, step)) is not None:
+                self._defer_follow(target, execution)
+            runner = SubmittingStepRunner(root)
+            try:
+                result = runner.run(
+                    step, lambda s: self._submit(s, params, runner, context, execution)
+                )
+            except BaseException as exc:
+                self._finish_failed(store, execution, spec, exc)
+                raise
+            if runner.lease is None or result.status.status is not Status.RUNNING:
+                return self._finish_done(store, execution, step, result)
+        finally:
+            store.close()
+        submitted = dict(result.status.result or {})
+        self.log.info(
+            "%s: JobSet %s submitted; deferring (the triggerer follows it, no worker slot held)",
+            step.key,
+            submitted["handle"]["name"],
+        )
+        self.defer(
+            trigger=self._trigger(submitted["handle"], params, runner.lease.to_dict()),
+            method_name="execute_complete",
+            kwargs={
+                "execution_id": execution,
+                "lease": runner.lease.to_dict(),
+                "resumed_from": submitted.get("resumed_from"),
+            },
+        )
+
+    def _trigger(
+        self, handle: Mapping[str, Any], params: Mapping[str, Any], lease: Mapping[str, Any] | None
+    ) -> Any:
+        from operators.params import gke_cluster
+        from operators.triggers.jobset import JobSetTrigger
+
+        return JobSetTrigger(
+            handle=handle,
+            cluster=gke_cluster(params),
+            lease=lease,
+            poll_seconds=self.gke_poll_seconds,
+            log_seconds=self.gke_log_seconds,
+        )
+
+    def _submit(
+        self,
+        spec: StepSpec,
+        params: Mapping[str, Any],
+        runner: Any,
+        context: Any,
+        execution: int,
+    ) -> dict[str, Any]:
+        """Under the step's lease: config, manifest, create the JobSet, keep its handle."""
+        from operators.hooks.jobset import JobSetHook
+        from operators.params import gke_cluster
+        from operators.triggers.lease import handle_file
+
+        out = spec.output_path
+        if "://" not in out:
+            self.log.warning(
+                "storage root %s is local: pods on GKE cannot read or write it, so the "
+                "trainer's result will not appear here; set SLIPWAY_HOME to a gs:// root",
+                out,
+            )
+        if int(spec.unversioned.get("fail_at_step") or 0):
+            self.log.warning("fail_at_step is a local-backend fault injection: ignored on gke")
+        config_uri = join(out, TRAINER_CONFIG)
+        _write_json(config_uri, trainer_config(spec))
+        launch = _launch(
+            _jobset_name("train", spec),
+            params,
+            config_uri=config_uri,
+            **_gke_launch_options(spec, params),
+        )
+        manifest = launch.render()
+        _write_json(join(out, JOBSET_MANIFEST), manifest)
+        start = last_checkpoint(out)
+        if start:
+            self.log.info("resuming from checkpoint %s", start[1])
+        cluster = gke_cluster(params)
+        backend = JobSetHook("gke", cluster=cluster, log_sink=self.log.info).get_backend()
+        handle = backend.submit(manifest)
+        self._gke = (backend, handle)
+        try:
+            # Read back after a trigger timeout (__fail__ carries no kwargs) and by followers.
+            _write_json(
+                handle_file(out),
+                {
+                    "handle": handle.to_dict(),
+                    "cluster": cluster,
+                    "lease": runner.lease.to_dict(),
+                    "execution_id": execution,
+                    "run_id": context.get("run_id"),
+                    "try_number": getattr(context.get("ti"), "try_number", None),
+                },
+            )
+        except BaseException:
+            backend.cancel(handle)  # nobody could find it again: no orphan
+            raise
+        return {"handle": handle.to_dict(), "resumed_from": start[0] if start else None}
+
+    def _follow_target(self, root: str, step: Step) -> dict[str, Any] | None:
+        """Another run holds the step's live lease and its JobSet is known: follow that one
+        (deferred) instead of waiting on a worker for the weeks it may train. The owner
+        writes its handle right after submitting: give it that long before falling back to
+        the step runner's wait."""
+        from operators.steps import Action, decide, probe
+        from operators.triggers.lease import DEFERRED_LEASE_SECONDS, handle_file
+
+        deadline = time.monotonic() + DEFERRED_LEASE_SECONDS
+        while True:
+            state = probe(root, step)
+            action, reason = decide(state, time.time())
+            if action is not Action.WAIT or state.lease is None:
+                return None
+            saved = _read_json(handle_file(state.path)) or {}
+            lease = saved.get("lease") or {}
+            if (lease.get("owner"), lease.get("generation")) == (
+                state.lease.owner,
+                state.lease.generation,
+            ):
+                self.log.info("%s: %s; following its JobSet", step.key, reason)
+                return saved
+            if time.monotonic() >= deadline:
+                return None  # e.g. a local-backend run holds it: wait as the step model does
+            time.sleep(min(5.0, self.gke_poll_seconds))
+
+    def _defer_follow(self, target: Mapping[str, Any], execution: int) -> None:
+        from operators.triggers.jobset import JobSetTrigger
+
+        self.defer(
+            trigger=JobSetTrigger(
+                handle=target["handle"],
+                cluster=target.get("cluster"),
+                lease=None,  # not ours to renew
+                poll_seconds=self.gke_poll_seconds,
+                log_seconds=self.gke_log_seconds,
+            ),
+            method_name="execute_complete",
+            kwargs={"execution_id": execution, "follow": target["lease"]["owner"]},
+        )
+
+    def execute_complete(
+        self,
+        context: Any,
+        event: Mapping[str, Any],
+        execution_id: int,
+        lease: Mapping[str, Any] | None = None,
+        resumed_from: int | None = None,
+        follow: str | None = None,
+    ) -> dict[str, Any]:
+        """The trigger fired: record the step's end (SUCCESS/FAILED) and its lineage."""
+        from operators.graph import build_graph
+        from operators.steps import resolve
+
+        params = self.run_params(context)
+        step = build_graph(params).train
+        if follow is not None:
+            return self._complete_follow(context, params, step, event, execution_id, follow)
+        spec = resolve(step, self.steps_root())
+        store = self.lineage_store()
+        try:
+            return self._complete(store, spec, step, event, execution_id, lease, resumed_from)
+        finally:
+            store.close()
+
+    def _complete(
+        self,
+        store: Any,
+        spec: StepSpec,
+        step: Step,
+        event: Mapping[str, Any],
+        execution: int,
+        lease_data: Mapping[str, Any] | None,
+        resumed_from: int | None,
+    ) -> dict[str, Any]:
+        from operators.jobset.gke import status_from_dict
+        from operators.steps import LeaseLost, Outcome
+        from operators.triggers.jobset import ERROR, LEASE_LOST, TERMINAL
+        from operators.triggers.lease import DeferredLease
+
+        lease = DeferredLease.from_dict(lease_data or {})
+        kind, message = event.get("event"), event.get("message", "")
+        try:
+            if kind == LEASE_LOST:
+                raise LeaseLost(message)  # the new owner follows the JobSet: leave it running
+            if kind != TERMINAL:
+                if kind == ERROR:
+                    self._cancel_quietly(event["handle"], lease)
+                raise TrainingFailed(f"JobSet {event['handle']['name']} {kind}: {message}")
+            status = status_from_dict(event["status"])
+            self.log.info(
+                "JobSet %s %s (%s) after %d restart(s)",
+                status.handle.name,
+                status.terminal_state,
+                status.reason,
+                status.restarts,
+            )
+            value = _training_result(spec.output_path, status, resumed_from)
+            record = lease.succeed(value)  # LeaseLost if taken over meanwhile
+        except BaseException as exc:
+            if not isinstance(exc, LeaseLost):
+                lease.fail(exc)
+            self._finish_failed(store, execution, spec, exc)
+            raise
+        return self._finish_done(store, execution, step, StepResult(Outcome.RAN, spec, record))
+
+    def _complete_follow(
+        self,
+        context: Any,
+        params: Mapping[str, Any],
+        step: Step,
+        event: Mapping[str, Any],
+        execution: int,
+        owner: str,
+    ) -> dict[str, Any]:
+        """The JobSet we followed ended: its owner records the step; take what it recorded."""
+        from operators.steps import Status, StepFailedElsewhere, probe
+        from operators.triggers.jobset import TERMINAL
+
+        state = probe(self.steps_root(), step)
+        marker = state.status.status if state.status is not None else None
+        exc: BaseException | None = None
+        if marker is Status.FAILED and state.status.owner == owner:
+            exc = StepFailedElsewhere(f"{step.key}: run by {owner} failed: {state.status.error}")
+        elif marker is not Status.SUCCESS and event.get("event") != TERMINAL:
+            # Lost sight of it (403, deleted from outside): do not wait on a worker.
+            exc = TrainingFailed(
+                f"following {owner}'s JobSet {event['handle']['name']}: {event.get('event')} "
+                f"{event.get('message', '')}".strip()
+            )
+        if exc is not None:
+            store = self.lineage_store()
+            try:
+                self._finish_failed(store, execution, None, exc)
+            finally:
+                store.close()
+            raise exc
+        # SUCCESS (a cache hit), or the owner is about to record it (its lease is still live:
+        # the step runner waits for it), or it died (stale lease: taken over and resubmitted,
+        # which adopts the JobSet if it is still ours to follow).
+        return self._execute_gke(context, params, step, execution, allow_follow=False)
+
+    def resume_execution(
+        self, next_method: str, next_kwargs: dict[str, Any] | None, context: Any
+    ) -> Any:
+        """``__fail__`` (trigger timeout / execution_timeout, or a trigger that crashed):
+        delete the JobSet and fail the step before Airflow fails the task."""
+        from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+
+        if next_method == TRIGGER_FAIL_REPR:
+            try:
+                self._abandon_deferred(context, (next_kwargs or {}).get("error") or "unknown")
+            except Exception:  # Airflow's own failure must still happen
+                self.log.exception("could not clean up the deferred JobSet")
+        return super().resume_execution(next_method, next_kwargs, context)
+
+    def _abandon_deferred(self, context: Any, error: Any) -> None:
+        from operators.graph import build_graph
+        from operators.hooks.jobset import JobSetHook
+        from operators.jobset import JobSetHandle
+        from operators.steps import resolve
+        from operators.triggers.lease import DeferredLease, handle_file
+
+        params = self.run_params(context)
+        step = build_graph(params).train
+        spec = resolve(step, self.steps_root())
+        saved = _read_json(handle_file(spec.output_path))
+        try_number = getattr(context.get("ti"), "try_number", None)
+        if (
+            not saved
+            or saved.get("run_id") != context.get("run_id")
+            or (try_number is not None and saved.get("try_number") not in (None, try_number))
+        ):
+            # Not this task's JobSet (a follower timed out, or a newer attempt owns it).
+            self.log.warning("deferral ended (%s); no JobSet of this task to delete", error)
+            return
+        reason = f"deferral ended: {getattr(error, 'value', error)}; JobSet deleted"
+        handle = JobSetHandle.from_dict(saved["handle"])
+        backend = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
+        status = backend.get_backend().cancel(handle)
+        self.log.warning("JobSet %s: %s (%s)", handle.name, reason, status.message)
+        lease = DeferredLease.from_dict(saved["lease"])
+        lease.fail(reason)
+        if saved.get("execution_id") is not None:
+            store = self.lineage_store()
+            try:
+                self._finish_failed(store, saved["execution_id"], spec, TrainingFailed(reason))
+            finally:
+                store.close()
+
+    def _cancel_quietly(self, handle: Mapping[str, Any], lease: Any) -> None:
+        from operators.hooks.jobset import JobSetHook
+        from operators.jobset import JobSetHandle
+        from operators.triggers.lease import handle_file
+
+        saved = _read_json(handle_file(lease.output)) or {}
+        try:
+            backend = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
+            backend.get_backend().cancel(JobSetHandle.from_dict(handle))
+        except Exception:
+            self.log.exception("could not delete JobSet %s", handle.get("name"))
+
+    # -- lineage of the gke path (as run_step records it) --------------------------------------
+
+    def _start_execution(
+        self, store: Any, context: Any, step: Step, spec: StepSpec, root: str
+    ) -> int:
+        execution = store.start_execution(
+            step.name,
+            run_id=context.get("run_id"),
+            pipeline=getattr(self, "dag_id", None),
+            step_version=step.version,
+            properties={
+                "task_id": getattr(self, "task_id", None),
+                "try_number": getattr(context.get("ti"), "try_number", None),
+                "output": spec.output_path,
+                "unversioned": dict(spec.unversioned),
+            },
+        )
+        for ref in self._inputs(step):
+            store.record_input(
+                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+            )
+        return execution
+
+    def _finish_failed(
+        self, store: Any, execution: int, spec: StepSpec | None, exc: BaseException
+    ) -> None:
+        from operators.lineage import ExecutionState
+        from operators.step_lineage import _terminated
+
+        state = ExecutionState.CANCELED if _terminated(exc) else ExecutionState.FAILED
+        try:
+            extra = self._failure_properties(spec) if spec is not None else {}
+        except Exception:  # the original error matters more
+            self.log.exception("could not collect failure properties")
+            extra = {}
+        store.finish_execution(execution, state, error=exc, properties=extra)
+
+    def _finish_done(
+        self, store: Any, execution: int, step: Step, result: StepResult
+    ) -> dict[str, Any]:
+        from operators.lineage import ExecutionState
+        from operators.steps import Outcome
+
+        root = self.steps_root()
+        for ref in self._outputs(result.spec, result):
+            store.record_output(
+                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+            )
+        cached = result.outcome in (Outcome.CACHED, Outcome.WAITED)
+        store.finish_execution(
+            execution,
+            ExecutionState.CACHED if cached else ExecutionState.COMPLETE,
+            properties={
+                "outcome": str(result.outcome),
+                **({} if cached else self._complete_properties(result)),
+            },
+        )
+        self.log_step(step, result)
         return {
             "outcome": str(result.outcome),
             "output": result.spec.output_path,
@@ -271,25 +742,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             progress=lambda: self._log_progress(out, int(spec.config["steps"])),
             poll_seconds=FAULT_POLL_SECONDS if watch else POLL_SECONDS,
         )
-        result = _read_json(join(out, "result.json")) or {}
-        if not status.succeeded or result.get("status") != "succeeded":
-            raise TrainingFailed(
-                f"JobSet {status.terminal_state} ({status.reason}: {status.message}); "
-                f"exit codes {status.exit_codes}; trainer: {result.get('status')} "
-                f"{result.get('error') or ''}".strip()
-            )
-        metrics = read_metrics(out)
-        ckpt = last_checkpoint(out)
-        return {
-            "steps": result.get("steps"),
-            "params": result.get("params"),
-            "loss_start": metrics[0]["loss"] if metrics else None,
-            "loss_end": result.get("final_loss"),
-            "checkpoint": ckpt[1] if ckpt else None,
-            "checkpoint_step": ckpt[0] if ckpt else None,
-            "resumed_from": start[0] if start else None,
-            "restarts": status.restarts,
-        }
+        return _training_result(out, status, start[0] if start else None)
 
     def _log_progress(self, out: str, steps: int) -> None:
         metrics = read_metrics(out)
@@ -346,8 +799,13 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         }
 
     def on_kill(self) -> None:
+        # Killed while running on a worker (local run, or a gke task submitting / completing);
+        # a task killed while *deferred* is the trigger's on_kill.
         if self._jobset is not None:
             self._jobset.cancel()
+        if self._gke is not None:
+            backend, handle = self._gke
+            backend.cancel(handle)
 
 
 class EvaluationOperator(StepLineageMixin, BaseOperator):
@@ -410,15 +868,24 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         args += ["--tokenizer", c["tokenizer"]]
         for path in stores.values():
             args += ["--store", path]
+        gke = _is_gke(spec)
         launch = _launch(
             _jobset_name("eval", spec),
             params,
             command=("python", "-m", "trainer.evaluate"),
             args=tuple(args),
             max_restarts=0,
+            **(_gke_launch_options(spec, params) if gke else {}),
         )
-        self._jobset = _JobSetRunner(self, spec.unversioned.get("backend", "local"))
-        status = self._jobset.run(launch.render())
+        if gke:
+            from operators.params import gke_cluster
+
+            # Evaluation takes minutes: it polls from the worker (no deferral), 10 s apart.
+            self._jobset = _JobSetRunner(self, "gke", gke_cluster(params))
+            status = self._jobset.run(launch.render(), poll_seconds=10.0)
+        else:
+            self._jobset = _JobSetRunner(self, spec.unversioned.get("backend", "local"))
+            status = self._jobset.run(launch.render())
         body = _read_json(eval_json)
         if not status.succeeded or body is None:
             raise TrainingFailed(

@@ -119,7 +119,14 @@ def test_bad_values_are_refused_by_airflow_param_validation(dag, conf, field):
         ({"sources": [{"name": "brown", "weight": 0}]}, "must not all be 0"),
         ({"accelerator": "v5p", "topology": "3x3"}, "accelerator/topology/slices"),
         ({"accelerator": "v5e", "topology": "2x2x2"}, "accelerator/topology/slices"),
-        ({"backend": "gke"}, "gke is not available"),
+        ({"backend": "gke"}, "gke.namespace: backend=gke needs the training namespace"),
+        ({"backend": "gke", "gke": {"namespace": "Train"}}, "gke.namespace 'Train'"),
+        (
+            {"backend": "gke", "gke": {"namespace": "t", "cluster_name": "c", "in_cluster": True}},
+            "choose one source",
+        ),
+        ({"backend": "gke", "gke": {"namespace": "t", "cluster_name": "c"}}, "gke.location"),
+        ({"backend": "gke", "gke": {"namespace": "t"}}, "image: slipway/trainer:dev"),
         ({"warmup_steps": 500, "steps": 100}, "warmup_steps"),
         ({"fail_at_step": 300, "steps": 200}, "fail_at_step"),
         ({"runner": "DataflowRunner"}, "DataflowRunner needs project_id"),
@@ -135,6 +142,21 @@ def test_cross_field_checks(dag, conf, message):
     values = _validate(dag, **conf)
     with pytest.raises(RunConfigError, match=message):
         check_run_config(values)
+
+
+def test_gke_run_form_is_accepted():
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import check_run_config, pipeline_params
+
+    params = ParamsDict()
+    params.update(pipeline_params())  # fresh Params: the cases above leave values in dag.params
+    params.update(
+        backend="gke",
+        gke={"namespace": "train", "cluster_name": "tpu-cluster", "location": "us-east5"},
+        image="us-docker.pkg.dev/proj/slipway/trainer:1",
+    )
+    check_run_config(params.validate())
 
 
 def test_enums_match_the_trainer_and_the_catalogue():

@@ -263,9 +263,12 @@ def test_record_summarises_a_failed_run(home, params, monkeypatch):
         record.execute(_context(params, "run-f"))
 
 
-def test_gke_backend_slot_says_what_is_missing():
+def test_jobset_hook_backends():
     from operators.hooks.jobset import BackendUnavailable, JobSetHook
 
     assert JobSetHook("local").get_backend().name == "local"
-    with pytest.raises(BackendUnavailable, match="not implemented yet"):
-        JobSetHook("gke").get_backend()
+    # gke: tested against a fake API server in tests/unit/test_gke_backend.py
+    gke = JobSetHook("gke", cluster={"namespace": "train", "kubeconfig": "/nonexistent"})
+    assert gke.get_backend().name == "gke"  # credentials load lazily, on the first call
+    with pytest.raises(BackendUnavailable, match="unknown JobSet backend"):
+        JobSetHook("k8s").get_backend()

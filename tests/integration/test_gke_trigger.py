@@ -1,0 +1,549 @@
+"""The gke path end to end against FakeKubernetesApiServer (a fake API server, not a cluster).
+
+The trigger's ``run()`` follows a JobSet through scripted status transitions (restarts,
+Completed, Failed), survives a serialize/deserialize round trip, renews the step lease; the
+TrainingOperator submits, defers, and finishes in ``execute_complete``; a killed deferred task
+(trigger ``on_kill``) and a trigger timeout (``__fail__``) delete the JobSet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from operators.testing import make_corpora, tiny_conf
+from tests.fakes.k8s_api import FakeKubernetesApiServer
+
+NS = "train"
+IMAGE = "us-docker.pkg.dev/proj/slipway/trainer:test"
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake():
+    with FakeKubernetesApiServer() as server:
+        yield server
+
+
+@pytest.fixture
+def kubeconfig(tmp_path, fake) -> Path:
+    return fake.write_kubeconfig(tmp_path / "kubeconfig")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def params(tmp_path, kubeconfig):
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import check_run_config, pipeline_params
+
+    p = ParamsDict()
+    p.update(pipeline_params())
+    conf = tiny_conf(make_corpora(tmp_path / "data"))
+    conf.update(
+        backend="gke",
+        image=IMAGE,
+        gke={"namespace": NS, "kubeconfig": str(kubeconfig), "service_account": "trainer"},
+    )
+    p.update(conf)
+    values = p.validate()
+    check_run_config(values)  # the form accepts gke with its settings
+    return values
+
+
+def _context(params, run_id="manual__gke"):
+    return {"params": params, "run_id": run_id, "ti": None}
+
+
+class Collect:
+    """Stands in for the trigger's log: every line it would show in the task log."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+    def having(self, text: str) -> list[str]:
+        return [line for line in self.lines if text in line]
+
+
+def _run_trigger(trigger: Any, script: Callable[[], None] | None = None, timeout: float = 15):
+    """Run ``trigger.run()`` to its first event while ``script`` plays the controller."""
+
+    async def first_event() -> Any:
+        async for event in trigger.run():
+            return event
+        return None
+
+    async def main() -> Any:
+        task = asyncio.ensure_future(first_event())
+        if script is not None:
+            await asyncio.to_thread(script)
+        try:
+            return await asyncio.wait_for(task, timeout)
+        finally:
+            await trigger.cleanup()
+
+    return asyncio.run(main())
+
+
+def _trigger(handle, kubeconfig, lease=None, **kw):
+    from operators.triggers.jobset import JobSetTrigger
+
+    kw = {"poll_seconds": 0.5, "log_seconds": 0.05, "log_lines": 5, "error_backoff": 0.05, **kw}
+    trigger = JobSetTrigger(
+        handle=handle.to_dict(),
+        cluster={"namespace": NS, "kubeconfig": str(kubeconfig)},
+        lease=lease,
+        **kw,
+    )
+    sink = Collect()
+    trigger._say = sink
+    return trigger, sink
+
+
+def _submit(fake, kubeconfig, name="slipway-train-0123abcd"):
+    from operators.jobset import TrainingLaunch
+    from operators.jobset.gke import STEP_VERSION_LABEL, ClusterSettings, GkeBackend
+
+    backend = GkeBackend(ClusterSettings(namespace=NS, kubeconfig=str(kubeconfig)))
+    manifest = TrainingLaunch(
+        name=name,
+        image=IMAGE,
+        config_uri="gs://bucket/c.json",
+        namespace=NS,
+        topology="2",
+        labels={STEP_VERSION_LABEL: "f" * 63},
+    ).render()
+    return backend.submit(manifest)
+
+
+def _later(*actions: Callable[[], Any], every: float = 0.3) -> Callable[[], None]:
+    """A controller script: each action after ``every`` seconds (time for the trigger to see)."""
+
+    def play() -> None:
+        for action in actions:
+            time.sleep(every)
+            action()
+
+    return play
+
+
+def until(predicate: Callable[[], Any], timeout: float = 10.0) -> Callable[[], None]:
+    """A script step that waits for the trigger to have done something (no timing guesses)."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "the trigger did not get there in time"
+            time.sleep(0.02)
+
+    return wait
+
+
+# -- the trigger ------------------------------------------------------------------------------
+
+
+def test_trigger_follows_restarts_and_logs_to_completion(fake, kubeconfig):
+    handle = _submit(fake, kubeconfig)
+    trigger, said = _trigger(handle, kubeconfig)
+    event = _run_trigger(
+        trigger,
+        _later(
+            lambda: fake.log(NS, handle.name, "step 1 loss 9.1", "step 2 loss 8.7"),
+            until(lambda: said.having("step 2 loss 8.7")),
+            lambda: fake.restart(NS, handle.name),  # counted (preemption -> exit 42)
+            lambda: fake.log(NS, handle.name, "restored step 2", "step 3 loss 8.2"),
+            until(lambda: said.having("step 3 loss 8.2")),
+            lambda: fake.restart(NS, handle.name, counted=False),
+            lambda: fake.set_condition(NS, handle.name, "StartupPolicyCompleted", "Done", "ok"),
+            lambda: fake.log(NS, handle.name, "step 4 loss 7.9"),
+            until(lambda: said.having("step 4 loss 7.9")),
+            lambda: fake.complete(NS, handle.name),
+            every=0.05,
+        ),
+    )
+    assert event.payload["event"] == "terminal"
+    status = event.payload["status"]
+    assert status["terminal_state"] == "Completed"
+    assert status["reason"] == "AllJobsCompleted"
+    assert (status["restarts"], status["restarts_counted"]) == (2, 1)
+    assert {e["exit_code"] for e in status["exits"] if e["attempt"] == 2} == {0}
+    # Each restart reported once, as it happened.
+    restarts = said.having("restarted: restart")
+    assert len(restarts) == 2, said.lines
+    assert "restart 1 (1/3 counted" in restarts[0] and "restart 2 (1/3 counted" in restarts[1]
+    assert said.having("condition StartupPolicyCompleted: Done: ok")
+    # The leader's log lines, each once, across the pods of three attempts.
+    shown = [line.split("] ", 1)[1] for line in said.lines if line.startswith("[slipway-")]
+    assert shown == [
+        "step 1 loss 9.1",
+        "step 2 loss 8.7",
+        "restored step 2",
+        "step 3 loss 8.2",
+        "step 4 loss 7.9",
+    ], said.lines
+    assert said.having(f"kubectl logs -n {NS} ")
+
+
+def test_trigger_reports_failure_with_reason_and_exit_codes(fake, kubeconfig):
+    handle = _submit(fake, kubeconfig)
+    trigger, said = _trigger(handle, kubeconfig)
+    event = _run_trigger(
+        trigger,
+        _later(
+            lambda: fake.restart(NS, handle.name),
+            lambda: fake.fail(
+                NS,
+                handle.name,
+                reason="FailJobSetFailurePolicyRuleAction",
+                message="rule failFastOnFatalExitCode: job slice-0 failed (PodFailurePolicy)",
+                exit_code=1,
+            ),
+        ),
+    )
+    status = event.payload["status"]
+    assert event.payload["event"] == "terminal"
+    assert status["terminal_state"] == "Failed"
+    assert status["reason"] == "FailJobSetFailurePolicyRuleAction"
+    assert "failFastOnFatalExitCode" in status["message"]
+    from operators.jobset.gke import status_from_dict
+
+    assert status_from_dict(status).exit_codes == {"slice-0/worker-0": 1, "slice-0/worker-1": 1}
+    assert said.having("Failed: FailJobSetFailurePolicyRuleAction")
+
+
+def test_trigger_rides_out_api_errors_and_notices_deletion(fake, kubeconfig):
+    handle = _submit(fake, kubeconfig)
+    trigger, said = _trigger(handle, kubeconfig)
+    # 500s beyond one call's retries: the loop keeps going (a weeks-long run outlives blips).
+    fake.inject(500, method="GET", path="/jobsets/", times=6, message="etcdserver: leader changed")
+    event = _run_trigger(
+        trigger,
+        _later(lambda: fake.delete(NS, handle.name), every=0.8),
+    )
+    assert said.having("Kubernetes API unavailable")
+    assert event.payload["event"] == "vanished"
+
+
+def test_trigger_error_event_on_forbidden(fake, kubeconfig):
+    handle = _submit(fake, kubeconfig)
+    trigger, _ = _trigger(handle, kubeconfig)
+    fake.inject(403, path="/jobsets/", times=1, message="jobsets is forbidden: User cannot get")
+    event = _run_trigger(trigger)
+    assert event.payload["event"] == "error"
+    assert "forbidden (403)" in event.payload["message"]
+    assert str(kubeconfig) in event.payload["message"]  # names the credentials source
+
+
+def test_trigger_survives_a_serialize_round_trip(fake, kubeconfig, tmp_path):
+    from airflow.sdk.serde import deserialize, serialize
+
+    from operators.triggers.jobset import JobSetTrigger
+
+    handle = _submit(fake, kubeconfig)
+    lease = {"output": str(tmp_path), "step": "train", "version": "v", "owner": "o"}
+    lease |= {"generation": 0, "started_at": 1.0, "lease_seconds": 600.0}
+    trigger = JobSetTrigger(
+        handle.to_dict(), {"namespace": NS, "kubeconfig": str(kubeconfig)}, lease
+    )
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "operators.triggers.jobset.JobSetTrigger"
+    # What the triggerer stores: plain data through Airflow's serde, no token anywhere.
+    stored = json.dumps(serialize(kwargs))
+    assert next(iter(fake.tokens)) not in stored
+    module, _, name = classpath.rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    rebuilt = cls(**deserialize(json.loads(stored)))
+    assert rebuilt.serialize() == (classpath, kwargs)
+    # ...and the rebuilt trigger (a restarted triggerer) follows the same JobSet.
+    rebuilt.lease = None
+    rebuilt._say = Collect()
+    fake.restart(NS, handle.name)
+    event = _run_trigger(rebuilt, _later(lambda: fake.complete(NS, handle.name)))
+    assert event.payload["status"]["restarts"] == 1
+    assert rebuilt._say.having("has restarted 1 time(s) so far")
+
+
+def test_trigger_on_kill_deletes_the_jobset_and_cleanup_does_not(fake, kubeconfig):
+    handle = _submit(fake, kubeconfig)
+    trigger, _ = _trigger(handle, kubeconfig)
+    asyncio.run(trigger.cleanup())  # every exit, e.g. a triggerer restart: JobSet untouched
+    assert (NS, handle.name) in fake.jobsets
+    asyncio.run(trigger.on_kill())
+    assert (NS, handle.name) not in fake.jobsets
+    assert fake.deletions[-1]["propagationPolicy"] == "Foreground"
+    assert fake.deletions[-1]["preconditions"] == {"uid": handle.uid}
+
+
+# -- the operator: defer -> trigger -> execute_complete ---------------------------------------
+
+
+def _defer(op, params, run_id="manual__gke"):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(_context(params, run_id))
+    return deferred.value
+
+
+def _train_spec(params):
+    from operators.graph import build_graph
+    from operators.settings import steps_root
+    from operators.steps import resolve
+
+    step = build_graph(params).train
+    return step, resolve(step, steps_root())
+
+
+def _status(spec):
+    from operators.steps import store_for
+
+    marker = json.loads(Path(spec.output_path, ".status.json").read_text())
+    return marker, store_for(spec.output_path)
+
+
+def _executions(home, state=None):
+    from operators.lineage import LineageStore
+
+    with LineageStore(f"sqlite:///{home / 'lineage.db'}") as store:
+        graph = store.run_graph("manual__gke")
+        return [n.execution for n in graph.steps if state is None or n.execution.state == state]
+
+
+def _trainer_writes_results(out: str, steps: int = 6) -> None:
+    """What the trainer's pods would have written to the (shared) step directory."""
+    root = Path(out)
+    with (root / "metrics.jsonl").open("w") as f:
+        for step in range(1, steps + 1):
+            f.write(json.dumps({"step": step, "loss": 10.0 - step}) + "\n")
+    ckpt = root / "checkpoints" / f"step-{steps:09d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "commit.json").write_text("{}")
+    (root / "result.json").write_text(
+        json.dumps({"status": "succeeded", "steps": steps, "params": 1234, "final_loss": 4.0})
+    )
+
+
+def _operator():
+    from operators.training import TrainingOperator
+
+    return TrainingOperator(gke_poll_seconds=0.5, gke_log_seconds=0.05)
+
+
+def test_operator_defers_and_completes(fake, kubeconfig, home, params):
+    from operators.jobset.gke import STEP_VERSION_LABEL
+    from operators.triggers.jobset import JobSetTrigger
+
+    op = _operator()
+    deferred = _defer(op, params)
+    step, spec = _train_spec(params)
+    assert isinstance(deferred.trigger, JobSetTrigger)
+    assert deferred.method_name == "execute_complete"
+    # The JobSet sent is the rendered manifest kept in the step directory, with its step label.
+    sent = fake.created[-1]
+    assert sent == json.loads(Path(spec.output_path, "jobset.json").read_text())
+    assert sent["metadata"]["namespace"] == NS
+    assert sent["metadata"]["labels"][STEP_VERSION_LABEL] == step.version[:63]
+    assert (
+        sent["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+            "serviceAccountName"
+        ]
+        == "trainer"
+    )
+    # While deferred: the step is RUNNING under a long lease the trigger renews.
+    marker, _ = _status(spec)
+    assert marker["status"] == "RUNNING"
+    assert marker["lease_expires_at"] - time.time() > 500
+    assert len(_executions(home, "RUNNING")) == 1
+
+    trigger = deferred.trigger
+    trigger._say = Collect()
+    before = marker["lease_expires_at"]
+    fake.restart(NS, sent["metadata"]["name"])
+    event = _run_trigger(trigger, _later(lambda: fake.complete(NS, sent["metadata"]["name"])))
+    assert _status(spec)[0]["lease_expires_at"] > before  # the trigger renewed it
+    _trainer_writes_results(spec.output_path)
+    result = op.execute_complete(_context(params), event.payload, **deferred.kwargs)
+
+    assert result["outcome"] == "RAN"
+    assert (result["steps"], result["restarts"], result["checkpoint_step"]) == (6, 1, 6)
+    assert _status(spec)[0]["status"] == "SUCCESS"
+    (execution,) = _executions(home)
+    assert execution.state == "COMPLETE"
+    assert execution.properties["restarts"] == 1
+
+    # A rerun is a cache hit: nothing sent to the cluster.
+    posts = len(fake.requests_to("POST"))
+    again = _operator().execute(_context(params, "manual__again"))
+    assert again["outcome"] == "CACHED"
+    assert len(fake.requests_to("POST")) == posts
+
+
+def test_operator_failed_jobset_fails_step_and_lineage(fake, kubeconfig, home, params):
+    from operators.training import TrainingFailed
+
+    op = _operator()
+    deferred = _defer(op, params)
+    _, spec = _train_spec(params)
+    name = fake.created[-1]["metadata"]["name"]
+    fake.fail(NS, name, reason="ReachedMaxRestarts", exit_code=42)
+    event = _run_trigger(deferred.trigger)
+    with pytest.raises(TrainingFailed, match="ReachedMaxRestarts"):
+        op.execute_complete(_context(params), event.payload, **deferred.kwargs)
+    marker, _ = _status(spec)
+    assert marker["status"] == "FAILED"
+    (execution,) = _executions(home)
+    assert execution.state == "FAILED"
+    assert "ReachedMaxRestarts" in execution.error
+    # The retry replaces the failed JobSet (it resumes from the checkpoint) instead of adopting it.
+    _defer(_operator(), params)
+    assert [d["name"] for d in fake.deletions] == [name]
+    assert fake.jobsets[(NS, name)]["status"].get("terminalState") is None
+
+
+def test_trigger_timeout_deletes_the_jobset(fake, kubeconfig, home, params):
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+
+    op = _operator()
+    _defer(op, params)
+    _, spec = _train_spec(params)
+    name = fake.created[-1]["metadata"]["name"]
+    # What the scheduler does when execution_timeout passes while deferred: the task resumes
+    # on a worker with __fail__ (no kwargs of ours); a fresh operator instance runs it.
+    with pytest.raises(TaskDeferralTimeout):
+        _operator().resume_execution(
+            TRIGGER_FAIL_REPR, {"error": "Trigger timeout"}, _context(params)
+        )
+    assert (NS, name) not in fake.jobsets
+    assert fake.deletions[-1]["propagationPolicy"] == "Foreground"
+    marker, _ = _status(spec)
+    assert marker["status"] == "FAILED" and "Trigger timeout" in marker["error"]
+    (execution,) = _executions(home)
+    assert execution.state == "FAILED"
+
+
+def test_killed_while_deferred_deletes_jobset_and_frees_the_step(fake, kubeconfig, home, params):
+    op = _operator()
+    deferred = _defer(op, params)
+    _, spec = _train_spec(params)
+    name = fake.created[-1]["metadata"]["name"]
+    # Airflow 3.3: a user marking the deferred task failed (or clearing it) -> trigger.on_kill.
+    asyncio.run(deferred.trigger.on_kill())
+    assert (NS, name) not in fake.jobsets
+    marker, _ = _status(spec)
+    assert marker["status"] == "FAILED" and "killed while deferred" in marker["error"]
+    # The lease is released: a rerun submits at once (no 10-minute wait for it to expire).
+    _defer(_operator(), params, run_id="manual__rerun")
+    assert (NS, name) in fake.jobsets
+
+
+def test_lease_taken_over_ends_the_trigger_without_deleting(fake, kubeconfig, home, params):
+    from operators.steps import LeaseLost, StepRunner
+
+    op = _operator()
+    deferred = _defer(op, params)
+    _, spec = _train_spec(params)
+    name = fake.created[-1]["metadata"]["name"]
+    # Another runner creates the next lease generation (as a takeover of a stale lease does).
+    StepRunner(spec.output_path)._acquire(spec.output_path, 1)
+    event = _run_trigger(deferred.trigger)
+    assert event.payload["event"] == "lease_lost"
+    with pytest.raises(LeaseLost):
+        op.execute_complete(_context(params), event.payload, **deferred.kwargs)
+    assert (NS, name) in fake.jobsets  # the new owner adopts it
+
+
+def test_second_run_follows_the_owner_instead_of_waiting(fake, kubeconfig, home, params):
+    owner, second = _operator(), _operator()
+    first = _defer(owner, params)
+    follower = _defer(second, params, run_id="manual__second")
+    assert follower.kwargs["follow"] == first.kwargs["lease"]["owner"]
+    assert follower.trigger.lease is None  # not its lease to renew
+    assert follower.trigger.handle == first.trigger.handle
+    assert len(fake.created) == 1  # one JobSet for one step
+    _, spec = _train_spec(params)
+    fake.complete(NS, fake.created[-1]["metadata"]["name"])
+    event = _run_trigger(first.trigger)
+    _trainer_writes_results(spec.output_path)
+    owner.execute_complete(_context(params), event.payload, **first.kwargs)
+    seen = _run_trigger(follower.trigger)
+    result = second.execute_complete(
+        _context(params, "manual__second"), seen.payload, **follower.kwargs
+    )
+    assert result["outcome"] == "CACHED" and result["steps"] == 6
+    assert len(fake.created) == 1
+
+
+def test_a_follower_does_not_rerun_the_owners_failure(fake, kubeconfig, home, params):
+    from operators.steps import StepFailedElsewhere
+
+    owner, second = _operator(), _operator()
+    first = _defer(owner, params)
+    follower = _defer(second, params, run_id="manual__second")
+    asyncio.run(first.trigger.on_kill())  # the owner's task is killed: JobSet deleted
+    seen = _run_trigger(follower.trigger)
+    assert seen.payload["event"] == "vanished"
+    with pytest.raises(StepFailedElsewhere, match="killed while deferred"):
+        second.execute_complete(_context(params, "manual__second"), seen.payload, **follower.kwargs)
+    # ...and its timeout deletes nothing: the JobSet it followed was not its own.
+    _defer(_operator(), params, run_id="manual__third")  # the owner's failure reruns here
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+
+    deletions = len(fake.deletions)
+    with pytest.raises(TaskDeferralTimeout):
+        _operator().resume_execution(
+            TRIGGER_FAIL_REPR, {"error": "Trigger timeout"}, _context(params, "manual__second")
+        )
+    assert len(fake.deletions) == deletions
+
+
+def test_on_kill_while_submitting_deletes(fake, kubeconfig, home, params):
+    op = _operator()
+    _defer(op, params)
+    name = fake.created[-1]["metadata"]["name"]
+    op.on_kill()  # the worker got SIGTERM before the deferral took effect
+    assert (NS, name) not in fake.jobsets
+
+
+def test_deferral_holds_no_thread(fake, kubeconfig):
+    """The trigger shares the triggerer's event loop: other coroutines keep running."""
+    handle = _submit(fake, kubeconfig)
+    trigger, _ = _trigger(handle, kubeconfig, poll_seconds=1.0)
+    ticks = []
+
+    async def main() -> Any:
+        async def ticker() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.05)
+
+        tick = asyncio.ensure_future(ticker())
+        timer = threading.Timer(0.8, lambda: fake.complete(NS, handle.name))
+        timer.start()
+        async for event in trigger.run():
+            tick.cancel()
+            await trigger.cleanup()
+            return event
+
+    event = asyncio.run(main())
+    assert event.payload["event"] == "terminal"
+    assert len(ticks) >= 10
