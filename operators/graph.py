@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -20,7 +21,7 @@ from typing import Any
 
 from operators.params import sources_of
 from operators.settings import data_dir
-from operators.steps import Step, output_of
+from operators.steps import Step, join, output_of
 
 # What each stage's output is, for lineage.
 DATASET, TOKENIZER, TOKEN_STORE = "dataset", "tokenizer", "token_store"
@@ -76,34 +77,52 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def content_id(path: str) -> str:
-    """sha256 of a local file (memoised on size + mtime); a remote one's fsspec checksum."""
-    if "://" in path and not path.startswith("file://"):
-        import fsspec
+def _remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
 
-        fs, p = fsspec.core.url_to_fs(path)
-        return f"fsspec:{fs.checksum(p)}"
-    st = os.stat(path)
-    return _sha256(path, st.st_size, st.st_mtime_ns)
+
+def content_id(path: str) -> str:
+    """A content hash of a corpus file: local sha256 (memoised on size + mtime); for an object
+    store, the MD5 it keeps for the object (``md5Hash`` on GCS), else a streamed sha256. Never
+    a name, size or mtime: re-uploading the same bytes must not re-version the pipeline."""
+    if not _remote(path):
+        st = os.stat(path)
+        return _sha256(path, st.st_size, st.st_mtime_ns)
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    info = fs.info(p)
+    if info.get("md5Hash"):
+        return f"md5:{info['md5Hash']}"
+    digest = hashlib.sha256()
+    with fs.open(p, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
 
 
 def raw_path(root: str, name: str) -> str:
-    return os.path.join(root, "raw", f"{name}.jsonl.gz")
+    return join(root, "raw", f"{name}.jsonl.gz")
 
 
 def eval_path(root: str, name: str) -> str:
-    return os.path.join(root, "eval", f"{name}.jsonl.gz")
+    return join(root, "eval", f"{name}.jsonl.gz")
 
 
 def eval_set_paths(root: str) -> dict[str, str]:
     """Every eval set present under ``{data}/eval`` (decontamination checks them all)."""
-    folder = os.path.join(root, "eval")
-    if not os.path.isdir(folder):
-        return {}
+    folder = join(root, "eval")
+    if _remote(root):
+        import fsspec
+
+        fs, base = fsspec.core.url_to_fs(folder)
+        names = [posixpath.basename(p) for p in fs.ls(base, detail=False)] if fs.isdir(base) else []
+    elif os.path.isdir(folder):
+        names = os.listdir(folder)
+    else:
+        names = []
     return {
-        f[: -len(".jsonl.gz")]: os.path.join(folder, f)
-        for f in sorted(os.listdir(folder))
-        if f.endswith(".jsonl.gz")
+        f[: -len(".jsonl.gz")]: join(folder, f) for f in sorted(names) if f.endswith(".jsonl.gz")
     }
 
 
