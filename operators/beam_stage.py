@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,11 @@ from operators.graph import STAGE_OUT
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
 from operators.steps import StepResult, StepSpec, join
 
+log = logging.getLogger(__name__)
+
 # -- Dataflow settings -------------------------------------------------------------------------
 
+GCP_CONN_ID = "google_cloud_default"  # the operators' default GCP connection
 DATAFLOW_ENV_PREFIX = "SLIPWAY_DATAFLOW_"  # + the field name upper-cased (Helm ConfigMap keys)
 DATAFLOW_FIELDS = (
     "project_id",
@@ -79,7 +83,15 @@ _EXPERIMENT_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}(?:=[A-Za-z0-9_.:/-]{1,200})?
 
 
 class DataflowSettingsError(ValueError):
-    """Dataflow settings that must not reach a command line (every problem, one message)."""
+    """Dataflow settings that must not reach a command line (every problem, one message).
+
+    ``problems`` lists them one by one, each starting with the setting's name, for callers
+    that report them among others (the run form's cross-checks).
+    """
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems: tuple[str, ...] = tuple(problems) or (message,)
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,14 @@ def _merge(platform: Mapping[str, Any], run: Mapping[str, Any]) -> dict[str, Any
     merged = dict(platform)
     merged.update({k: v for k, v in run.items() if v not in ("", None, [], ())})
     return merged
+
+
+def _unset(field: str, what: str) -> str:
+    """A missing setting, with the two places it can be given."""
+    return (
+        f"{field} is not set ({what}; run form dataflow.{field} or "
+        f"{DATAFLOW_ENV_PREFIX}{field.upper()})"
+    )
 
 
 def _check_image(image: Any) -> str | None:
@@ -175,20 +195,25 @@ def dataflow_settings(
     elif not isinstance(project, str) or not _PROJECT_RE.match(project):
         problems.append(f"project_id {project!r} is not a GCP project id")
     location = merged.get("location")
-    if not isinstance(location, str) or not _REGION_RE.match(location):
+    if not location:
+        problems.append(_unset("location", "a Dataflow region, e.g. us-central1"))
+    elif not isinstance(location, str) or not _REGION_RE.match(location):
         problems.append(f"location {location!r} is not a Dataflow region (e.g. us-central1)")
     temp = merged.get("temp_location")
-    if not isinstance(temp, str) or not _GCS_RE.match(temp):
+    if not temp:
+        problems.append(_unset("temp_location", "gs://bucket/path"))
+    elif not isinstance(temp, str) or not _GCS_RE.match(temp):
         problems.append(f"temp_location {temp!r} is not a gs://bucket/path")
     staging = merged.get("staging_location") or (
-        f"{temp.rstrip('/')}/staging" if isinstance(temp, str) else None
+        f"{temp.rstrip('/')}/staging" if isinstance(temp, str) and temp else None
     )
-    if not isinstance(staging, str) or not _GCS_RE.match(staging):
+    # Derived from temp_location when not given: a missing temp_location is reported once.
+    if staging is not None and (not isinstance(staging, str) or not _GCS_RE.match(staging)):
         problems.append(f"staging_location {staging!r} is not a gs://bucket/path")
     image = merged.get("sdk_container_image")
     if not image:
         # Without it workers run Beam's stock image, which lacks the pipelines package.
-        problems.append("sdk_container_image is not set (the slipway-beam image)")
+        problems.append(_unset("sdk_container_image", "the slipway-beam image"))
     elif error := _check_image(image):
         problems.append(error)
     account = merged.get("service_account")
@@ -208,7 +233,9 @@ def dataflow_settings(
     experiments, bad = _check_experiments(merged.get("experiments", []))
     problems += bad
     if problems:
-        raise DataflowSettingsError("invalid Dataflow settings:\n  " + "\n  ".join(problems))
+        raise DataflowSettingsError(
+            "invalid Dataflow settings:\n  " + "\n  ".join(problems), problems
+        )
     return DataflowSettings(
         project_id=project,
         location=location,
@@ -219,6 +246,17 @@ def dataflow_settings(
         max_num_workers=workers,
         experiments=experiments,
     )
+
+
+def gcp_connection_project(gcp_conn_id: str = GCP_CONN_ID) -> str | None:
+    """The GCP connection's project (its ``project`` extra, else its credentials'), or None."""
+    try:
+        from airflow.providers.google.common.hooks.base_google import GoogleBaseHook
+
+        return GoogleBaseHook(gcp_conn_id=gcp_conn_id).project_id or None
+    except Exception as exc:  # no such connection, no credentials: settings must name it
+        log.info("No project from connection %s: %s", gcp_conn_id, exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -377,9 +415,7 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
 
     template_fields = ("gcp_conn_id",)
 
-    def __init__(
-        self, *, stage_task: str, gcp_conn_id: str = "google_cloud_default", **kwargs: Any
-    ) -> None:
+    def __init__(self, *, stage_task: str, gcp_conn_id: str = GCP_CONN_ID, **kwargs: Any) -> None:
         kwargs.setdefault("task_id", stage_task)
         super().__init__(**kwargs)
         self.stage_task = stage_task
@@ -511,14 +547,7 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
             self.log.exception("Could not cancel Dataflow job %s: cancel it in the console", name)
 
     def _connection_project(self) -> str | None:
-        """The GCP connection's project (its ``project`` extra, else its credentials')."""
-        try:
-            from airflow.providers.google.common.hooks.base_google import GoogleBaseHook
-
-            return GoogleBaseHook(gcp_conn_id=self.gcp_conn_id).project_id or None
-        except Exception as exc:  # no such connection, no credentials: settings must name it
-            self.log.info("No project from connection %s: %s", self.gcp_conn_id, exc)
-            return None
+        return gcp_connection_project(self.gcp_conn_id)
 
     def _dataflow_config(
         self, params: Mapping[str, Any], spec: StepSpec, options: dict[str, Any]

@@ -15,6 +15,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from operators.beam_stage import GCP_CONN_ID, gcp_connection_project
 from operators.step_lineage import StepLineageMixin
 
 
@@ -57,11 +58,16 @@ def fetch_into(data: str, only: list[str]) -> list[str]:
 
 
 class FetchCorporaOperator(StepLineageMixin, BaseOperator):
-    ui_color = "#e0e0ff"
+    """:param gcp_conn_id: the GCP connection whose project is the Dataflow project's last
+    fallback (the Beam stages' connection), asked only for a DataflowRunner run."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    ui_color = "#e0e0ff"
+    template_fields = ("gcp_conn_id",)
+
+    def __init__(self, *, gcp_conn_id: str = GCP_CONN_ID, **kwargs: Any) -> None:
         kwargs.setdefault("task_id", "fetch")
         super().__init__(**kwargs)
+        self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
         from operators.graph import (
@@ -78,7 +84,9 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
         from operators.steps import format_plan, plan
 
         params = self.run_params(context)
-        check_run_config(params)
+        check_run_config(
+            params, connection_project=lambda: gcp_connection_project(self.gcp_conn_id)
+        )
         data = data_dir(params.get("data_dir"))
         names = [s.name for s in sources_of(params)]
         missing = [n for n in names if not _exists(raw_path(data, n))]

@@ -6,6 +6,11 @@ cannot express rules across fields (a topology offered for the chosen TPU type, 
 are not all zero), so :func:`check_run_config` does those; the DAG's first task calls it and
 fails in seconds, before any data is read.
 
+A platform deploy pre-fills the form: the training fields' defaults come from the Helm
+chart's ConfigMap (``slipway-config``, environment variables of every Airflow container; see
+:data:`PLATFORM_ENV`), read when the DAG is parsed. Environment only: an Airflow Variable or
+connection lookup at parse time would hit the metadata database on every parse.
+
 Importable at DAG parse time: Airflow's ``Param`` and the standard library only.
 """
 
@@ -14,8 +19,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -67,11 +73,75 @@ def _demo_stage_configs() -> dict[str, Any]:
     return configs
 
 
+# The form's training defaults a platform deploy sets (charts/slipway ConfigMap keys): form
+# field, or "gke.<key>" for a key of the `gke` object -> environment variable.
+PLATFORM_ENV = {
+    "backend": "SLIPWAY_TRAINING_BACKEND",
+    "image": "SLIPWAY_TRAINER_IMAGE",
+    "accelerator": "SLIPWAY_TPU_ACCELERATOR",
+    "topology": "SLIPWAY_TPU_TOPOLOGY",
+    "slices": "SLIPWAY_TPU_SLICES",
+    "gke.namespace": "SLIPWAY_TRAINING_NAMESPACE",
+    "gke.service_account": "SLIPWAY_TRAINER_SERVICE_ACCOUNT",
+    "gke.queue": "SLIPWAY_KUEUE_QUEUE",
+}
+# The form's default image: the local build of the trainer image (docker/README.md). The local
+# backend ignores it (it runs this interpreter); no cluster can pull it, so gke refuses it.
+DEV_IMAGE = "slipway-trainer:dev"
+
+
+class PlatformDefaultsError(ValueError):
+    """A platform default (environment variable) the form's own schema refuses."""
+
+
+def platform_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The form defaults set in the environment (:data:`PLATFORM_ENV`); unset or empty ones
+    are left out. ``gke.<key>`` entries are gathered into a ``gke`` object."""
+    environ = os.environ if environ is None else environ
+    found: dict[str, Any] = {}
+    for field, name in PLATFORM_ENV.items():
+        value = environ.get(name, "").strip()
+        if not value:
+            continue
+        if field == "slices":
+            # Left as text when not a number: the schema check names it.
+            found[field] = int(value) if value.isdigit() else value
+        elif field.startswith("gke."):
+            found.setdefault("gke", {})[field.removeprefix("gke.")] = value
+        else:
+            found[field] = value
+    return found
+
+
+def _check_platform_defaults(params: Mapping[str, Param], defaults: Mapping[str, Any]) -> None:
+    """Refuse, at parse time and naming the variables, platform defaults the schema refuses:
+    otherwise every run with the pre-filled form would be refused, far from the cause."""
+    problems = []
+    for field in defaults:
+        try:
+            params[field].resolve()
+        except Exception as exc:  # ParamValidationError; its first line says why
+            names = sorted(n for f, n in PLATFORM_ENV.items() if f.split(".")[0] == field)
+            problems.append(f"{', '.join(names)} (form field {field}): {str(exc).splitlines()[0]}")
+    if problems:
+        raise PlatformDefaultsError(
+            "invalid platform defaults for the run form:\n  " + "\n  ".join(problems)
+        )
+
+
 DATA_DIR_PATTERN = r"^(?!.*(^|/)\.\.(/|$))(|/[^\s\x00-\x1f]*|gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s\x00-\x1f]*)?)$"
 
 
-def pipeline_params() -> dict[str, Param]:
-    """The run form. Defaults: the tiny run that ``make demo`` does on two cores."""
+def pipeline_params(environ: Mapping[str, str] | None = None) -> dict[str, Param]:
+    """The run form. Defaults: the tiny run that ``make demo`` does on two cores, with the
+    training fields a platform deploy sets in the environment (:func:`platform_defaults`)."""
+    platform = platform_defaults(environ)
+    params = _form(platform)
+    _check_platform_defaults(params, platform)
+    return params
+
+
+def _form(platform: Mapping[str, Any]) -> dict[str, Param]:
     return {
         "sources": Param(
             copy.deepcopy(DEFAULT_MIXTURE),
@@ -104,17 +174,27 @@ def pipeline_params() -> dict[str, Param]:
         "warmup_steps": Param(20, type="integer", minimum=0, title="Warmup steps"),
         "seed": Param(0, type="integer", minimum=0, maximum=2**31 - 1, title="Seed"),
         "accelerator": Param(
-            "cpu", type="string", enum=list(ACCELERATORS), title="Accelerator (TPU type)"
+            platform.get("accelerator", "cpu"),
+            type="string",
+            enum=list(ACCELERATORS),
+            title="Accelerator (TPU type)",
         ),
         "topology": Param(
-            "1",
+            platform.get("topology", "1"),
             type="string",
             pattern=r"^[0-9]+(x[0-9]+){0,2}$",
             title="Topology",
             description="TPU topology (2x2x4, 4x4) or, for cpu, the number of local processes.",
         ),
-        "slices": Param(1, type="integer", minimum=1, maximum=64, title="Slices"),
-        "backend": Param("local", type="string", enum=list(BACKENDS), title="Training backend"),
+        "slices": Param(
+            platform.get("slices", 1), type="integer", minimum=1, maximum=64, title="Slices"
+        ),
+        "backend": Param(
+            platform.get("backend", "local"),
+            type="string",
+            enum=list(BACKENDS),
+            title="Training backend",
+        ),
         "runner": Param("DirectRunner", type="string", enum=list(RUNNERS), title="Beam runner"),
         "dataflow": Param(
             {},
@@ -133,13 +213,13 @@ def pipeline_params() -> dict[str, Param]:
             additionalProperties=False,
         ),
         "gke": Param(
-            {},
+            dict(platform.get("gke", {})),
             type="object",
             title="GKE settings",
             description="For backend=gke: namespace (required) and one credentials source -- "
             "cluster_name + location [+ project_id, gcp_conn_id] (GKE via a GCP connection), "
-            "kubeconfig [+ context], or in_cluster -- plus an optional Workload-Identity "
-            "service_account and Kueue queue.",
+            "kubeconfig [+ context], or in_cluster; none: in-cluster inside a pod -- plus an "
+            "optional Workload-Identity service_account and Kueue queue.",
             properties={
                 "namespace": {"type": "string"},
                 "cluster_name": {"type": "string"},
@@ -156,11 +236,12 @@ def pipeline_params() -> dict[str, Param]:
             additionalProperties=False,
         ),
         "image": Param(
-            "slipway/trainer:dev",
+            platform.get("image", DEV_IMAGE),
             type="string",
             minLength=1,
             title="Trainer image",
-            description="Ignored by the local backend (it runs this interpreter).",
+            description="The slipway-trainer image (docker/trainer.Dockerfile) in a registry "
+            "the cluster pulls from; ignored by the local backend (it runs this interpreter).",
         ),
         "stage_configs": Param(
             _demo_stage_configs(),
@@ -227,7 +308,6 @@ GKE_CLUSTER_KEYS = (
     "use_internal_ip",
 )
 GKE_LAUNCH_KEYS = ("service_account", "queue")
-DEV_IMAGE = "slipway/trainer:dev"  # the form's default: runs locally, pullable by no cluster
 _GCP_LOCATION = re.compile(r"^[a-z]+-[a-z]+[0-9]+(-[a-z])?$")  # us-central2, us-east5-a
 _GCP_PROJECT = re.compile(r"^([a-z][-a-z0-9.]*:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$")
 _GKE_CLUSTER = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
@@ -264,15 +344,56 @@ def _gke_problems(params: Mapping[str, Any]) -> list[str]:
     if params.get("image") == DEV_IMAGE:
         problems.append(
             f"image: {DEV_IMAGE} is the local default; backend=gke needs the trainer image in "
-            "a registry the cluster can pull (e.g. us-docker.pkg.dev/<project>/<repo>/trainer:<tag>)"
+            "a registry the cluster can pull (e.g. "
+            "us-central1-docker.pkg.dev/<project>/slipway/slipway-trainer:<tag>)"
         )
     if params.get("fail_at_step"):
         problems.append("fail_at_step: fault injection is for backend=local only")
     return problems
 
 
-def check_run_config(params: Mapping[str, Any]) -> None:
-    """Cross-field checks JSON schema cannot express. Raises :class:`RunConfigError`."""
+def _dataflow_problems(
+    params: Mapping[str, Any], connection_project: Callable[[], str | None] | None
+) -> list[str]:
+    """runner=DataflowRunner: the settings the Beam stages will launch with, checked by the
+    code that builds them (:func:`operators.beam_stage.dataflow_settings`) from the same
+    sources -- the run's ``dataflow`` object over the platform's ``SLIPWAY_DATAFLOW_*``, the
+    project falling back to the GCP connection's -- and storage the workers can reach."""
+    from operators.beam_stage import (
+        DataflowSettingsError,
+        dataflow_settings,
+        platform_dataflow_settings,
+    )
+    from operators.settings import data_dir, storage_root
+
+    run = dict(params.get("dataflow") or {})
+    platform = platform_dataflow_settings()
+    project = None
+    if connection_project is not None and not (run.get("project_id") or platform.get("project_id")):
+        project = connection_project()
+    problems: list[str] = []
+    try:
+        dataflow_settings(run, platform, connection_project=project)
+    except DataflowSettingsError as exc:
+        problems += [f"dataflow.{p}" for p in exc.problems]
+    # Dataflow workers cannot read the Airflow worker's disk.
+    for what, path in (
+        ("storage root ($SLIPWAY_HOME)", storage_root()),
+        ("data_dir (the corpora; default $SLIPWAY_DATA_DIR)", data_dir(params.get("data_dir"))),
+    ):
+        if not path.startswith("gs://"):
+            problems.append(f"{what} {path}: DataflowRunner needs it on gs://")
+    return problems
+
+
+def check_run_config(
+    params: Mapping[str, Any], *, connection_project: Callable[[], str | None] | None = None
+) -> None:
+    """Cross-field checks JSON schema cannot express. Raises :class:`RunConfigError`.
+
+    ``connection_project`` looks up the GCP connection's project, the Dataflow project's last
+    fallback; called only when neither the run nor the platform names one.
+    """
     # Lazy: the catalogue is cheap, but keep parse-time imports to Param only.
     from operators.jobset import ManifestError, TrainingLaunch
 
@@ -294,11 +415,7 @@ def check_run_config(params: Mapping[str, Any]) -> None:
     if params["backend"] == "gke":
         problems.extend(_gke_problems(params))
     if params["runner"] == "DataflowRunner":
-        missing = [
-            k for k in ("project_id", "location", "temp_location") if not params["dataflow"].get(k)
-        ]
-        if missing:
-            problems.append(f"dataflow: DataflowRunner needs {', '.join(missing)}")
+        problems.extend(_dataflow_problems(params, connection_project))
     try:
         TrainingLaunch(
             name="check",

@@ -621,6 +621,22 @@ class StepRunner:
         self.store = store or store_for(root)
 
     def run(self, step: Step, fn: Callable[[StepSpec], Any]) -> StepResult:
+        return self._run(step, lambda spec, generation: self._execute(step, spec, generation, fn))
+
+    def run_held(self, step: Step, submit: Callable[[StepSpec, HeldLease], Any]) -> StepResult:
+        """Like :meth:`run`, for work that outlives this call (a deferred Airflow task).
+
+        SUCCESS is a cache hit, a live lease is waited for and a stale one taken over, as in
+        :meth:`run`. When the step runs, ``submit(spec, lease)`` only starts the work: on
+        return the step is left RUNNING (the result's record carries what ``submit``
+        returned) under ``lease``, which the caller renews and ends
+        (:meth:`HeldLease.renew`, :meth:`~HeldLease.succeed`, :meth:`~HeldLease.fail`),
+        usually from another process. When ``submit`` raises, the step is FAILED and the
+        lease released, as for any step. No heartbeat thread: nobody here outlives the call.
+        """
+        return self._run(step, lambda spec, generation: self._hold(step, spec, generation, submit))
+
+    def _run(self, step: Step, execute: Callable[[StepSpec, int], StatusRecord]) -> StepResult:
         spec = resolve(step, self.root)
         out = spec.output_path
         self.store.makedirs(out)
@@ -662,7 +678,7 @@ class StepRunner:
                 outcome = Outcome.WAITED if waited_for else Outcome.CACHED
                 return StepResult(outcome, spec, status)
             log.info("%s: running as %s (%s)", step.key, self.owner, reason)
-            status = self._execute(step, spec, generation, fn)
+            status = execute(spec, generation)
             return StepResult(Outcome.TOOK_OVER if took_over else Outcome.RAN, spec, status)
 
     # -- lease handling -----------------------------------------------------------------------
@@ -676,10 +692,7 @@ class StepRunner:
         )
 
     def _still_owner(self, out: str, generation: int) -> bool:
-        if _read_lease(self.store, out, generation + 1) is not None:
-            return False  # someone created the next generation: we were taken over
-        lease = _read_lease(self.store, out, generation)
-        return lease is not None and lease.owner == self.owner
+        return _owns(self.store, out, generation, self.owner)
 
     def _release(self, out: str, generation: int) -> None:
         # Released, not deleted: generations only grow, so a zombie can never recreate one.
@@ -741,6 +754,137 @@ class StepRunner:
         self._write_status(out, final)
         self._release(out, generation)
         return final
+
+    def _hold(
+        self,
+        step: Step,
+        spec: StepSpec,
+        generation: int,
+        submit: Callable[[StepSpec, HeldLease], Any],
+    ) -> StatusRecord:
+        lease = HeldLease(
+            output=spec.output_path,
+            step=step.name,
+            version=spec.version,
+            owner=self.owner,
+            generation=generation,
+            started_at=time.time(),
+            lease_seconds=self.lease_seconds,
+        )
+        lease.renew()  # the RUNNING marker, before anything is started
+        try:
+            value = submit(spec, lease)
+        except BaseException as exc:
+            lease.fail(exc)
+            raise
+        return lease.record(Status.RUNNING, result=_jsonable(value))
+
+
+def _owns(store: Store, out: str, generation: int, owner: str) -> bool:
+    """The ownership check of every lease holder: our generation, and no next one."""
+    if _read_lease(store, out, generation + 1) is not None:
+        return False  # someone created the next generation: we were taken over
+    lease = _read_lease(store, out, generation)
+    return lease is not None and lease.owner == owner
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """Generation ``generation`` of the lease on the step whose output is ``output``, held by
+    ``owner`` without a heartbeat thread (:meth:`StepRunner.run_held`).
+
+    Plain, JSON-able data (:meth:`to_dict`), so it can travel in an Airflow trigger's kwargs
+    and be renewed and ended by another process. Its operations are the heartbeat's own
+    protocol: ownership is ``(owner, generation)`` with no next generation, and ending the
+    step writes the marker and marks the lease released (never deleted).
+    """
+
+    output: str
+    step: str
+    version: str
+    owner: str
+    generation: int
+    started_at: float
+    lease_seconds: float
+
+    @property
+    def renew_every(self) -> float:
+        # As the heartbeat does: two renewals may fail before anyone may take over.
+        return self.lease_seconds / 3
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HeldLease:
+        return cls(**dict(data))
+
+    def record(self, status: Status, **extra: Any) -> StatusRecord:
+        """A status marker of this lease's run (``extra``: error, result, lease expiry...)."""
+        return StatusRecord(
+            status=status,
+            step=self.step,
+            version=self.version,
+            owner=self.owner,
+            generation=self.generation,
+            started_at=self.started_at,
+            updated_at=time.time(),
+            **extra,
+        )
+
+    @property
+    def _store(self) -> Store:
+        return store_for(self.output)
+
+    def owned(self) -> bool:
+        return _owns(self._store, self.output, self.generation, self.owner)
+
+    def renew(self) -> bool:
+        """Extend the lease and the RUNNING marker; False once another runner took over."""
+        store = self._store
+        if not _owns(store, self.output, self.generation, self.owner):
+            return False
+        lease = Lease(self.generation, self.owner, time.time() + self.lease_seconds)
+        store.write(_lease_path(self.output, self.generation), _lease_bytes(lease))
+        self._write(store, self.record(Status.RUNNING, lease_expires_at=lease.expires_at))
+        return True
+
+    def succeed(self, result: Any) -> StatusRecord:
+        """SUCCESS marker (``result`` kept if JSON), lease released; :class:`LeaseLost` if
+        another runner took over meanwhile (its run wins, ours is discarded)."""
+        store = self._store
+        if not _owns(store, self.output, self.generation, self.owner):
+            raise LeaseLost(
+                f"{self.step}: lease generation {self.generation} was taken over while deferred"
+            )
+        final = self.record(Status.SUCCESS, result=_jsonable(result))
+        self._write(store, final)
+        self._release(store)
+        return final
+
+    def fail(self, error: BaseException | str) -> bool:
+        """FAILED marker (error, traceback tail), lease released; False if no longer ours."""
+        store = self._store
+        if not _owns(store, self.output, self.generation, self.owner):
+            return False
+        if isinstance(error, BaseException):
+            message = f"{type(error).__name__}: {error}"
+            trace = "".join(tb.format_exception(error))[-TRACEBACK_TAIL_CHARS:]
+        else:
+            message, trace = error, None
+        self._write(store, self.record(Status.FAILED, error=message, traceback=trace))
+        self._release(store)
+        return True
+
+    def _write(self, store: Store, record: StatusRecord) -> None:
+        store.write(join(self.output, STATUS_FILE), record.to_bytes())
+
+    def _release(self, store: Store) -> None:
+        if _owns(store, self.output, self.generation, self.owner):
+            released = Lease(
+                self.generation, self.owner, time.time() + self.lease_seconds, released=True
+            )
+            store.write(_lease_path(self.output, self.generation), _lease_bytes(released))
 
 
 class _Heartbeat:

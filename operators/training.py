@@ -35,12 +35,16 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
 from operators.steps import Step, StepResult, StepSpec, join, output_path
+
+if TYPE_CHECKING:
+    from operators.jobset.catalogue import SliceShape
+    from operators.jobset.preflight import PreflightResult
 
 TRAINER_CONFIG = "trainer_config.json"
 JOBSET_MANIFEST = "jobset.json"
@@ -278,6 +282,10 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         self.gke_log_seconds = gke_log_seconds
         self._jobset: _JobSetRunner | None = None
         self._gke: Any = None  # (backend, handle) while a gke submission is in this process
+        # The TPU preflight's client: None is google-cloud-tpu's TpuClient with the GCP
+        # connection's credentials (tests put a fake here; not a constructor argument, since
+        # a client is not something a DAG file can serialize).
+        self.tpu_client: Any = None
 
     def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         from operators.graph import build_graph
@@ -412,19 +420,22 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         if int(spec.unversioned.get("fail_at_step") or 0):
             self.log.warning("fail_at_step is a local-backend fault injection: ignored on gke")
         config_uri = join(out, TRAINER_CONFIG)
-        _write_json(config_uri, trainer_config(spec))
         launch = _launch(
             _jobset_name("train", spec),
             params,
             config_uri=config_uri,
             **_gke_launch_options(spec, params),
         )
+        cluster = gke_cluster(params)
+        # Before anything is written or created: a zone without this TPU generation fails
+        # the step in seconds instead of leaving pods pending on a node pool that cannot exist.
+        self._tpu_preflight(launch.shape, cluster)
+        _write_json(config_uri, trainer_config(spec))
         manifest = launch.render()
         _write_json(join(out, JOBSET_MANIFEST), manifest)
         start = last_checkpoint(out)
         if start:
             self.log.info("resuming from checkpoint %s", start[1])
-        cluster = gke_cluster(params)
         backend = JobSetHook("gke", cluster=cluster, log_sink=self.log.info).get_backend()
         handle = backend.submit(manifest)
         self._gke = (backend, handle)
@@ -445,6 +456,44 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             backend.cancel(handle)  # nobody could find it again: no orphan
             raise
         return {"handle": handle.to_dict(), "resumed_from": start[0] if start else None}
+
+    def _tpu_preflight(self, shape: SliceShape, cluster: Mapping[str, Any]) -> PreflightResult:
+        """Ask the Cloud TPU API whether the cluster's zone offers ``shape``
+        (:func:`~operators.jobset.preflight.check_accelerator_offered`): only a definite "not
+        offered" raises; an API that cannot be asked is a warning in the task log.
+
+        The zone is the GKE cluster settings' ``location``, the project theirs or the GCP
+        connection's, the credentials the connection's (``GoogleBaseHook``, looked up only when
+        the API is asked). Kubeconfig and in-cluster settings name no zone, and regional
+        clusters have none: skipped, with a line saying so.
+        """
+        from functools import cache
+
+        from operators.jobset.gke import ClusterSettings
+        from operators.jobset.preflight import PreflightResult, check_accelerator_offered
+
+        settings = ClusterSettings.from_dict(cluster)
+        if shape.is_tpu and (settings.source != "gke" or not settings.location):
+            message = f"cluster settings ({settings.source}) name no zone: preflight skipped"
+            self.log.info("TPU preflight: %s", message)
+            return PreflightResult("skipped", shape.accelerator, "", message)
+
+        @cache
+        def hook() -> Any:
+            from airflow.providers.google.common.hooks.base_google import GoogleBaseHook
+
+            from operators.beam_stage import GCP_CONN_ID
+
+            return GoogleBaseHook(gcp_conn_id=settings.gcp_conn_id or GCP_CONN_ID)
+
+        # Its own logger reports the outcome (a warning unless verified) into the task log.
+        return check_accelerator_offered(
+            shape,
+            project=settings.project_id or (lambda: hook().project_id),
+            zone=settings.location or "",
+            client=self.tpu_client,
+            credentials=lambda: hook().get_credentials(),
+        )
 
     def _follow_target(self, root: str, step: Step) -> dict[str, Any] | None:
         """Another run holds the step's live lease and its JobSet is known: follow that one

@@ -1,9 +1,11 @@
 """The backend contract: submit a JobSet manifest, follow it, cancel it.
 
 Two implementations share it: :class:`~operators.jobset.local.LocalBackend` (the manifest's
-pods as local processes) and, later, a GKE backend (Kubernetes API; the Airflow operator defers
-to a trigger that polls). The handle is plain, JSON-serialisable data so that a deferrable
-operator can hand it to a trigger and a retried task can find its JobSet again.
+pods as local processes) and :class:`~operators.jobset.gke.GkeBackend` (the JobSet object on a
+cluster through the Kubernetes API; the training operator defers to
+:class:`~operators.triggers.jobset.JobSetTrigger`, which follows it). The handle is plain,
+JSON-serialisable data so that a deferrable operator can hand it to a trigger and a retried
+task can find its JobSet again. See docs/jobset.md.
 """
 
 from __future__ import annotations

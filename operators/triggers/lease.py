@@ -17,128 +17,25 @@ down for longer than that), the trigger notices (the next generation exists), st
 and ends with ``lease_lost`` without deleting the JobSet: the new owner's submission finds the
 same JobSet (same name, same step version) and adopts it, so the training is never run twice.
 
-Built on the step model's storage primitives (lease generations created atomically, status
-markers); ownership is the same ``(owner, generation)`` check the heartbeat makes.
+Built on the step model's public lease API (:meth:`operators.steps.StepRunner.run_held` and
+:class:`operators.steps.HeldLease`): lease generations created atomically, status markers, and
+the same ``(owner, generation)`` ownership check the heartbeat makes.
 """
 
 from __future__ import annotations
 
-import time
-import traceback as tb
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
-from operators.steps import (
-    TRACEBACK_TAIL_CHARS,
-    LeaseLost,
-    Status,
-    StatusRecord,
-    Step,
-    StepRunner,
-    StepSpec,
-    _jsonable,
-    _lease_bytes,
-    _lease_path,
-    join,
-    store_for,
-)
+from operators.steps import HeldLease, Step, StepResult, StepRunner, StepSpec, join
 
-__all__ = ["DEFERRED_LEASE_SECONDS", "DeferredLease", "SubmittingStepRunner"]
+__all__ = ["DEFERRED_LEASE_SECONDS", "DeferredLease", "SubmittingStepRunner", "handle_file"]
 
 DEFERRED_LEASE_SECONDS = 600.0
 
-
-@dataclass(frozen=True)
-class DeferredLease:
-    """Generation ``generation`` of the lease on the step whose output is ``output``."""
-
-    output: str
-    step: str
-    version: str
-    owner: str
-    generation: int
-    started_at: float
-    lease_seconds: float = DEFERRED_LEASE_SECONDS
-
-    @property
-    def renew_every(self) -> float:
-        # As the heartbeat does: two renewals may fail before anyone may take over.
-        return self.lease_seconds / 3
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DeferredLease:
-        return cls(**dict(data))
-
-    # -- storage ------------------------------------------------------------------------------
-
-    def _runner(self) -> StepRunner:
-        # A StepRunner bound to this owner: its ownership check and release are the ones the
-        # heartbeat uses, so a deferred step follows exactly the same protocol.
-        return StepRunner(
-            self.output,
-            owner=self.owner,
-            lease_seconds=self.lease_seconds,
-            store=store_for(self.output),
-        )
-
-    def record(self, status: Status, **extra: Any) -> StatusRecord:
-        return StatusRecord(
-            status=status,
-            step=self.step,
-            version=self.version,
-            owner=self.owner,
-            generation=self.generation,
-            started_at=self.started_at,
-            updated_at=time.time(),
-            **extra,
-        )
-
-    def owned(self) -> bool:
-        return self._runner()._still_owner(self.output, self.generation)
-
-    def renew(self) -> bool:
-        """Extend the lease and the RUNNING marker; False once another runner took over."""
-        runner = self._runner()
-        if not runner._still_owner(self.output, self.generation):
-            return False
-        lease = runner._lease(self.generation)
-        runner.store.write(_lease_path(self.output, self.generation), _lease_bytes(lease))
-        runner._write_status(
-            self.output, self.record(Status.RUNNING, lease_expires_at=lease.expires_at)
-        )
-        return True
-
-    def succeed(self, result: Any) -> StatusRecord:
-        """SUCCESS marker, lease released. :class:`LeaseLost` if no longer ours."""
-        runner = self._runner()
-        if not runner._still_owner(self.output, self.generation):
-            raise LeaseLost(
-                f"{self.step}: lease generation {self.generation} was taken over while deferred"
-            )
-        final = self.record(Status.SUCCESS, result=_jsonable(result))
-        runner._write_status(self.output, final)
-        runner._release(self.output, self.generation)
-        return final
-
-    def fail(self, error: BaseException | str) -> bool:
-        """FAILED marker (error, traceback tail), lease released; False if no longer ours."""
-        runner = self._runner()
-        if not runner._still_owner(self.output, self.generation):
-            return False
-        if isinstance(error, BaseException):
-            message = f"{type(error).__name__}: {error}"
-            trace = "".join(tb.format_exception(error))[-TRACEBACK_TAIL_CHARS:]
-        else:
-            message, trace = error, None
-        runner._write_status(
-            self.output, self.record(Status.FAILED, error=message, traceback=trace)
-        )
-        runner._release(self.output, self.generation)
-        return True
+# The step model's held lease, by the name the trigger and the training operator use: JSON-able
+# (to_dict/from_dict), renewed by the trigger, ended by execute_complete or on_kill.
+DeferredLease = HeldLease
 
 
 class SubmittingStepRunner(StepRunner):
@@ -147,7 +44,8 @@ class SubmittingStepRunner(StepRunner):
     Everything else is the step model's: SUCCESS is a cache hit, a live lease is waited for, a
     stale one taken over. When ``fn`` returns, the step is left RUNNING under
     :attr:`lease` (the trigger renews it); when it raises, the step is FAILED and the lease
-    released, as for any step.
+    released, as for any step. :attr:`lease` is set before ``fn`` runs, so ``fn`` can record
+    it (the JobSet handle file) for whoever resumes the task.
     """
 
     def __init__(self, root: str, **kwargs: Any) -> None:
@@ -155,26 +53,12 @@ class SubmittingStepRunner(StepRunner):
         super().__init__(root, **kwargs)
         self.lease: DeferredLease | None = None
 
-    def _execute(
-        self, step: Step, spec: StepSpec, generation: int, fn: Callable[[StepSpec], Any]
-    ) -> StatusRecord:
-        lease = DeferredLease(
-            output=spec.output_path,
-            step=step.name,
-            version=spec.version,
-            owner=self.owner,
-            generation=generation,
-            started_at=time.time(),
-            lease_seconds=self.lease_seconds,
-        )
-        lease.renew()
-        self.lease = lease
-        try:
-            value = fn(spec)
-        except BaseException as exc:
-            lease.fail(exc)
-            raise
-        return lease.record(Status.RUNNING, result=_jsonable(value))
+    def run(self, step: Step, fn: Callable[[StepSpec], Any]) -> StepResult:
+        def submit(spec: StepSpec, lease: HeldLease) -> Any:
+            self.lease = lease
+            return fn(spec)
+
+        return self.run_held(step, submit)
 
 
 def handle_file(output: str) -> str:

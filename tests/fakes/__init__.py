@@ -2,4 +2,6 @@
 
 * :class:`tests.fakes.k8s_api.FakeKubernetesApiServer` -- a local HTTP server that speaks the
   Kubernetes REST paths and objects for JobSets and pods (not a cluster: nothing is scheduled).
+* :class:`tests.fakes.tpu_api.FakeTpuClient` -- answers the Cloud TPU API's
+  ``list_accelerator_types`` from a fixed list (the TPU preflight's client).
 """

@@ -22,7 +22,7 @@ from operators.testing import make_corpora, tiny_conf
 from tests.fakes.k8s_api import FakeKubernetesApiServer
 
 NS = "train"
-IMAGE = "us-docker.pkg.dev/proj/slipway/trainer:test"
+IMAGE = "us-docker.pkg.dev/proj/slipway/slipway-trainer:test"
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -522,6 +522,112 @@ def test_on_kill_while_submitting_deletes(fake, kubeconfig, home, params):
     name = fake.created[-1]["metadata"]["name"]
     op.on_kill()  # the worker got SIGTERM before the deferral took effect
     assert (NS, name) not in fake.jobsets
+
+
+# -- the TPU preflight before the JobSet is created -----------------------------------------
+
+PROJECT, ZONE = "slipway-test", "us-east5-a"
+
+
+@pytest.fixture
+def tpu_params(tmp_path, kubeconfig, monkeypatch):
+    """A v5e 2x2 run on a GKE cluster named by cluster_name + zone: the settings the preflight
+    takes its zone and project from. The GKE credentials (google provider) are replaced by the
+    fake API server's kubeconfig; everything after that is the real path."""
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.hooks import jobset as hook_module
+    from operators.jobset.gke import ClusterSettings, kubeconfig_client
+    from operators.params import check_run_config, pipeline_params
+
+    fake_cluster = ClusterSettings(namespace=NS, kubeconfig=str(kubeconfig))
+    monkeypatch.setattr(hook_module, "gke_api_client", lambda _: kubeconfig_client(fake_cluster))
+    p = ParamsDict()
+    p.update(pipeline_params())
+    conf = tiny_conf(make_corpora(tmp_path / "data"))
+    conf.update(
+        backend="gke",
+        image=IMAGE,
+        accelerator="v5e",
+        topology="2x2",
+        gke={
+            "namespace": NS,
+            "cluster_name": "tpu-cluster",
+            "location": ZONE,
+            "project_id": PROJECT,
+            "service_account": "trainer",
+        },
+    )
+    p.update(conf)
+    values = p.validate()
+    check_run_config(values)
+    return values
+
+
+def _preflight_operator(fake, **client):
+    from tests.fakes.tpu_api import FakeTpuClient
+
+    op = _operator()
+    jobsets_at_call: list[int] = []
+    op.tpu_client = FakeTpuClient(
+        on_call=lambda: jobsets_at_call.append(len(fake.created)), **client
+    )
+    return op, jobsets_at_call
+
+
+def test_preflight_asks_the_cluster_zone_before_creating_the_jobset(fake, home, tpu_params):
+    from tests.fakes.tpu_api import accelerator_type
+
+    op, jobsets_at_call = _preflight_operator(
+        fake, types=[accelerator_type("v5litepod-4", "2x2"), accelerator_type("v5p-8", "2x2x1")]
+    )
+    _defer(op, tpu_params)
+    assert op.tpu_client.calls == [
+        {"parent": f"projects/{PROJECT}/locations/{ZONE}", "timeout": 20.0, "retry": None}
+    ]
+    assert jobsets_at_call == [0]  # asked first, then the JobSet was created
+    node_selector = fake.created[-1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+        "spec"
+    ]["nodeSelector"]
+    assert node_selector["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5-lite-podslice"
+
+
+def test_preflight_not_offered_fails_the_step_before_any_jobset(fake, home, tpu_params):
+    from operators.jobset.preflight import AcceleratorNotOffered
+    from tests.fakes.tpu_api import accelerator_type
+
+    op, _ = _preflight_operator(fake, types=[accelerator_type("v6e-8", "2x4")])
+    with pytest.raises(AcceleratorNotOffered, match=f"v5e .* not offered in zone {ZONE}"):
+        op.execute(_context(tpu_params))
+    assert fake.created == []  # nothing created, so nothing to delete
+    _, spec = _train_spec(tpu_params)
+    marker, _ = _status(spec)
+    assert marker["status"] == "FAILED" and "AcceleratorNotOffered" in marker["error"]
+    (execution,) = _executions(home)
+    assert execution.state == "FAILED"
+
+
+def test_preflight_that_cannot_reach_the_api_only_warns(fake, home, tpu_params, caplog):
+    import logging
+
+    from google.api_core import exceptions
+
+    op, _ = _preflight_operator(fake, error=exceptions.ServiceUnavailable("unreachable"))
+    with caplog.at_level(logging.WARNING, logger="operators.jobset.preflight"):
+        _defer(op, tpu_params)
+    assert len(fake.created) == 1  # launched anyway
+    assert any("launching without that check" in r.getMessage() for r in caplog.records)
+
+
+def test_preflight_is_skipped_without_a_zone(fake, kubeconfig, home, params):
+    # kubeconfig / in-cluster settings name no zone: nothing is asked.
+    from tests.fakes.tpu_api import FakeTpuClient
+
+    op = _operator()
+    op.tpu_client = FakeTpuClient(error=AssertionError("must not be called"))
+    params = {**params, "accelerator": "v5e", "topology": "2x2"}
+    _defer(op, params)
+    assert op.tpu_client.calls == [] and len(fake.created) == 1
 
 
 def test_deferral_holds_no_thread(fake, kubeconfig):

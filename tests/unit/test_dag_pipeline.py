@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,24 +58,33 @@ spec.loader.exec_module(module)
 elapsed = time.perf_counter() - t
 heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {{"jax", "apache_beam", "tensorstore",
     "trainer", "pipelines", "sentencepiece", "equinox", "optax"}})
-print(json.dumps({{"seconds": elapsed, "heavy": heavy}}))
+print(json.dumps({{"seconds": elapsed, "heavy": heavy,
+    "backend": module.dag.params["backend"]}}))
 """
+    env = {**os.environ, **PLATFORM}  # a platform deploy: defaults read at parse time
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, env=env
     )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["heavy"] == []
+    assert report["backend"] == "gke"
     # ~0.2 s measured on a busy machine; generous for two shared cores.
     assert report["seconds"] < 1.5, report
 
 
 def _validate(dag, **conf):
-    from airflow.sdk.definitions.param import ParamsDict
-
-    params = ParamsDict()
-    params.update(dag.params)
+    # A deep copy: ParamsDict.update would otherwise set the values on the DAG's own Param
+    # objects, and each case would start from the previous case's form.
+    params = copy.deepcopy(dag.params)
     params.update(conf)
     return params.validate()
+
+
+def test_validate_starts_from_the_dags_defaults_each_time(dag):
+    assert _validate(dag, steps=7, backend="gke")["steps"] == 7
+    values = _validate(dag)
+    assert (values["steps"], values["backend"]) == (200, "local")
+    assert dag.params["steps"] == 200
 
 
 def test_default_params_are_valid(dag):
@@ -126,10 +138,10 @@ def test_bad_values_are_refused_by_airflow_param_validation(dag, conf, field):
             "choose one source",
         ),
         ({"backend": "gke", "gke": {"namespace": "t", "cluster_name": "c"}}, "gke.location"),
-        ({"backend": "gke", "gke": {"namespace": "t"}}, "image: slipway/trainer:dev"),
+        ({"backend": "gke", "gke": {"namespace": "t"}}, "image: slipway-trainer:dev"),
         ({"warmup_steps": 500, "steps": 100}, "warmup_steps"),
         ({"fail_at_step": 300, "steps": 200}, "fail_at_step"),
-        ({"runner": "DataflowRunner"}, "DataflowRunner needs project_id"),
+        ({"runner": "DataflowRunner"}, "dataflow.project_id is not set"),
         (
             {"sources": [{"name": "brown", "weight": 1}, {"name": "brown", "weight": 2}]},
             "listed twice",
@@ -144,19 +156,152 @@ def test_cross_field_checks(dag, conf, message):
         check_run_config(values)
 
 
-def test_gke_run_form_is_accepted():
-    from airflow.sdk.definitions.param import ParamsDict
+def test_gke_run_form_is_accepted(dag):
+    from operators.params import check_run_config
 
-    from operators.params import check_run_config, pipeline_params
-
-    params = ParamsDict()
-    params.update(pipeline_params())  # fresh Params: the cases above leave values in dag.params
-    params.update(
+    values = _validate(
+        dag,
         backend="gke",
         gke={"namespace": "train", "cluster_name": "tpu-cluster", "location": "us-east5"},
-        image="us-docker.pkg.dev/proj/slipway/trainer:1",
+        image="us-docker.pkg.dev/proj/slipway/slipway-trainer:1",
     )
-    check_run_config(params.validate())
+    check_run_config(values)
+
+
+# -- DataflowRunner: the settings the Beam stages will use, checked at the first task ---------
+
+BUCKET = "gs://slipway-test-bucket"
+BEAM_IMAGE = "us-docker.pkg.dev/slipway-test/slipway/slipway-beam:0.1.0"
+
+
+@pytest.fixture
+def dataflow_platform(monkeypatch):
+    """What the Helm chart's ConfigMap sets: Dataflow defaults and a gs:// storage root."""
+    monkeypatch.setenv("SLIPWAY_HOME", f"{BUCKET}/slipway")
+    monkeypatch.delenv("SLIPWAY_DATA_DIR", raising=False)
+    env = {
+        "SLIPWAY_DATAFLOW_PROJECT_ID": "slipway-test",
+        "SLIPWAY_DATAFLOW_LOCATION": "us-central1",
+        "SLIPWAY_DATAFLOW_TEMP_LOCATION": f"{BUCKET}/dataflow/tmp",
+        "SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE": BEAM_IMAGE,
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return monkeypatch
+
+
+def _dataflow_run(dag, **conf):
+    return _validate(dag, runner="DataflowRunner", data_dir=f"{BUCKET}/corpora", **conf)
+
+
+def test_dataflow_run_with_only_platform_settings_is_accepted(dag, dataflow_platform):
+    from operators.params import check_run_config
+
+    check_run_config(_dataflow_run(dag))  # the form's `dataflow` object left empty
+
+
+def test_dataflow_project_falls_back_to_the_connection(dag, dataflow_platform):
+    from operators.params import RunConfigError, check_run_config
+
+    dataflow_platform.delenv("SLIPWAY_DATAFLOW_PROJECT_ID")
+    values = _dataflow_run(dag)
+    check_run_config(values, connection_project=lambda: "slipway-conn")
+    with pytest.raises(RunConfigError, match=re.escape("dataflow.project_id is not set")):
+        check_run_config(values, connection_project=lambda: None)
+    asked: list[bool] = []
+    check_run_config(  # the run names one: the connection is not asked
+        _dataflow_run(dag, dataflow={"project_id": "slipway-run"}),
+        connection_project=lambda: asked.append(True),
+    )
+    assert asked == []
+
+
+def test_dataflow_run_without_the_sdk_image_is_refused(dag, dataflow_platform):
+    from operators.params import RunConfigError, check_run_config
+
+    dataflow_platform.delenv("SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE")
+    with pytest.raises(RunConfigError, match=re.escape("dataflow.sdk_container_image is not set")):
+        check_run_config(_dataflow_run(dag))
+    # The run's own value counts too.
+    check_run_config(_dataflow_run(dag, dataflow={"sdk_container_image": BEAM_IMAGE}))
+
+
+def test_every_bad_dataflow_value_is_listed(dag, dataflow_platform):
+    from operators.params import RunConfigError, check_run_config
+
+    values = _validate(
+        dag,
+        runner="DataflowRunner",
+        data_dir="/srv/corpora",
+        dataflow={
+            "project_id": "Bad Project",
+            "location": "US",
+            "sdk_container_image": "slipway-beam:latest",
+            "service_account": "alice@example.com",
+            "max_num_workers": 5000,
+        },
+    )
+    with pytest.raises(RunConfigError) as err:
+        check_run_config(values)
+    lines = str(err.value).splitlines()[1:]
+    for expected in (
+        "dataflow.project_id 'Bad Project' is not a GCP project id",
+        "dataflow.location 'US' is not a Dataflow region",
+        "dataflow.sdk_container_image 'slipway-beam:latest'",
+        "dataflow.service_account 'alice@example.com'",
+        "dataflow.max_num_workers 5000",
+        "data_dir (the corpora; default $SLIPWAY_DATA_DIR) /srv/corpora",
+    ):
+        assert any(expected in line for line in lines), (expected, lines)
+
+
+# -- platform defaults: the chart's ConfigMap pre-fills the form -------------------------------
+
+PLATFORM = {
+    "SLIPWAY_TRAINING_BACKEND": "gke",
+    "SLIPWAY_TRAINING_NAMESPACE": "slipway-training",
+    "SLIPWAY_TRAINER_SERVICE_ACCOUNT": "slipway-trainer",
+    "SLIPWAY_TRAINER_IMAGE": "us-central1-docker.pkg.dev/p-1234/slipway/slipway-trainer:0.1.0",
+    "SLIPWAY_TPU_ACCELERATOR": "v5e",
+    "SLIPWAY_TPU_TOPOLOGY": "4x4",
+    "SLIPWAY_TPU_SLICES": "2",
+    "SLIPWAY_KUEUE_QUEUE": "slipway-tpu",
+}
+
+
+def test_platform_environment_prefills_the_form():
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import DEV_IMAGE, check_run_config, pipeline_params
+
+    params = ParamsDict(pipeline_params(environ=PLATFORM))
+    values = params.validate()
+    assert (values["backend"], values["image"]) == ("gke", PLATFORM["SLIPWAY_TRAINER_IMAGE"])
+    assert (values["accelerator"], values["topology"], values["slices"]) == ("v5e", "4x4", 2)
+    assert values["gke"] == {
+        "namespace": "slipway-training",
+        "service_account": "slipway-trainer",
+        "queue": "slipway-tpu",
+    }
+    check_run_config(values)  # a platform's pre-filled form is a valid gke run as it stands
+    # Unset or empty variables leave the local defaults.
+    local = ParamsDict(pipeline_params(environ={"SLIPWAY_TPU_SLICES": ""})).validate()
+    assert (local["backend"], local["image"], local["gke"]) == ("local", DEV_IMAGE, {})
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SLIPWAY_TPU_ACCELERATOR": "v9"}, "SLIPWAY_TPU_ACCELERATOR (form field accelerator)"),
+        ({"SLIPWAY_TPU_SLICES": "two"}, "SLIPWAY_TPU_SLICES (form field slices)"),
+        ({"SLIPWAY_TRAINING_BACKEND": "ray"}, "SLIPWAY_TRAINING_BACKEND (form field backend)"),
+    ],
+)
+def test_bad_platform_defaults_are_refused_naming_the_variable(env, named):
+    from operators.params import PlatformDefaultsError, pipeline_params
+
+    with pytest.raises(PlatformDefaultsError, match=re.escape(named)):
+        pipeline_params(environ=env)
 
 
 def test_enums_match_the_trainer_and_the_catalogue():

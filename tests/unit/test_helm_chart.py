@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import ipaddress
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator, Mapping
@@ -65,32 +66,24 @@ KINDS = (
             "RoleBinding",
             "ConfigMap",
             "NetworkPolicy",
-            "PersistentVolumeClaim",
         }
     )
     | KUEUE_KINDS
 )
 
-# ConfigMap keys the operators read today by these literal names (each must appear in
-# operators/ source); SLIPWAY_DATAFLOW_<FIELD> keys, which operators/beam_stage.py reads by
-# prefix; and the training defaults the chart provides that the operators do not read yet
-# (listed as such in charts/README.md).
+# ConfigMap keys the operators read by these literal names (each must appear in operators/
+# source); SLIPWAY_DATAFLOW_<FIELD> keys, which operators/beam_stage.py reads by prefix; and
+# the run form's training defaults, which operators/params.py reads (PLATFORM_ENV).
 READ_BY_OPERATORS = frozenset(
     {"SLIPWAY_HOME", "SLIPWAY_LINEAGE_DB", "SLIPWAY_DATA_DIR", "SLIPWAY_IMAGE"}
 )
-NOT_YET_READ = frozenset(
-    {
-        "SLIPWAY_TRAINING_BACKEND",
-        "SLIPWAY_TRAINING_NAMESPACE",
-        "SLIPWAY_TRAINER_SERVICE_ACCOUNT",
-        "SLIPWAY_TRAINER_IMAGE",
-        "SLIPWAY_TPU_ACCELERATOR",
-        "SLIPWAY_TPU_TOPOLOGY",
-        "SLIPWAY_TPU_SLICES",
-        "SLIPWAY_KUEUE_QUEUE",
-    }
-)
 STANDARD_ENV = frozenset({"GOOGLE_CLOUD_PROJECT"})
+
+
+def form_default_env_names() -> frozenset[str]:
+    from operators.params import PLATFORM_ENV
+
+    return frozenset(PLATFORM_ENV.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -583,8 +576,11 @@ def test_explicit_google_service_account() -> None:
         ({"kueue": {"enabled": "yes"}}, "/kueue/enabled"),
         ({"airflow": {"enabled": "false"}}, "/airflow/enabled"),
         ({"trainnig": {"namespace": "x"}}, "'trainnig' not allowed"),
-        ({"storage": {"corporaVolume": {"create": True}, "dataDir": ""}}, "/storage/dataDir"),
-        ({"storage": {"dataDir": "gs://bucket/corpora"}}, "/storage/dataDir"),
+        # Corpora on gs:// only: a local folder would not outlive the fetch task's pod.
+        ({"storage": {"dataDir": "/opt/airflow/corpora"}}, "/storage/dataDir"),
+        ({"storage": {"dataDir": ""}}, "/storage/dataDir"),
+        ({"storage": {"dataDir": None}}, "missing property 'dataDir'"),
+        ({"storage": {"corporaVolume": {"create": True}}}, "'corporaVolume' not allowed"),
     ],
 )
 def test_schema_refuses_bad_values(overrides: dict[str, Any], where: str) -> None:
@@ -747,11 +743,13 @@ def test_config_keys_are_the_env_names_the_code_reads(
     assert dataflow <= dataflow_env_names(), (
         f"beam_stage.py does not read {dataflow - dataflow_env_names()}"
     )
-    unknown = keys - READ_BY_OPERATORS - dataflow - NOT_YET_READ - STANDARD_ENV
-    assert not unknown, f"ConfigMap keys nobody reads or documents: {unknown}"
-    # The keys the code does not read yet are listed as such in charts/README.md.
+    unknown = keys - READ_BY_OPERATORS - dataflow - form_default_env_names() - STANDARD_ENV
+    assert not unknown, f"ConfigMap keys nobody reads: {unknown}"
+    # Every form default the code reads is set (the queue only with Kueue on) and documented.
+    optional = {"SLIPWAY_KUEUE_QUEUE"}
+    assert form_default_env_names() - optional <= keys
     readme = (REPO / "charts" / "README.md").read_text()
-    for key in NOT_YET_READ:
+    for key in form_default_env_names():
         assert key in readme, f"{key} missing from charts/README.md"
     # Every field of the run form's `dataflow` object has its platform default.
     from operators.params import pipeline_params
@@ -862,18 +860,58 @@ def test_airflow_values_use_our_objects(which: str) -> None:
         assert af["config"]["logging"]["remote_base_log_folder"].startswith("gs://")
 
 
-def test_corpora_volume_is_shared_by_every_airflow_pod() -> None:
-    """KubernetesExecutor runs each task in its own pod: the corpora folder the fetch task
-    fills must be the shared volume the other tasks mount, at SLIPWAY_DATA_DIR."""
-    assert not of_kind(render("default"), "PersistentVolumeClaim")
-    values = merged_values("production")
-    storage, af = values["storage"], values["airflow"]
-    objs = render("production")
-    pvc = one(objs, "PersistentVolumeClaim")
-    assert pvc["metadata"]["name"] == storage["corporaVolume"]["claimName"]
-    assert pvc["metadata"]["namespace"] == NAMESPACE
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    (volume,) = [v for v in af["volumes"] if v.get("persistentVolumeClaim")]
-    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
-    (mount,) = [m for m in af["volumeMounts"] if m["name"] == volume["name"]]
-    assert mount["mountPath"] == storage["dataDir"] == config_of(objs)["SLIPWAY_DATA_DIR"]
+def test_corpora_live_in_the_bucket(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """KubernetesExecutor runs each task in its own pod: the corpora the fetch task gets must
+    be where every later task (and Dataflow's workers) can read them, on gs://, with no
+    shared volume to mount."""
+    which, objs = rendered
+    values = merged_values(which)
+    data = config_of(objs)
+    assert data["SLIPWAY_DATA_DIR"] == values["storage"]["dataDir"]
+    assert data["SLIPWAY_DATA_DIR"].startswith("gs://")
+    assert not {"volumes", "volumeMounts"} & set(values["airflow"])
+    from operators.params import DATA_DIR_PATTERN
+
+    assert re.match(DATA_DIR_PATTERN, data["SLIPWAY_DATA_DIR"])  # the run form accepts it
+
+
+def _env_of(data: Mapping[str, str]) -> dict[str, str]:
+    """The Airflow containers' environment from the ConfigMap (extraEnvFrom), nothing else."""
+    return {k: v for k, v in data.items() if k.startswith("SLIPWAY_") or k in STANDARD_ENV}
+
+
+@pytest.mark.parametrize("kueue", [False, True])
+def test_the_configmap_prefills_a_valid_run_form(
+    rendered: tuple[str, list[dict[str, Any]]], kueue: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A platform deploy's form: its defaults come from slipway-config (read at DAG parse
+    time) and trigger a valid gke run as they stand, on DirectRunner and on DataflowRunner
+    with nothing but the platform's Dataflow settings."""
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import check_run_config, pipeline_params
+
+    which, _ = rendered
+    data = config_of(render(which, kueue={"enabled": kueue}))
+    env = _env_of(data)
+    for name in [n for n in os.environ if n.startswith("SLIPWAY_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    values = ParamsDict(pipeline_params()).validate()
+    assert values["backend"] == data["SLIPWAY_TRAINING_BACKEND"] == "gke"
+    assert values["image"] == data["SLIPWAY_TRAINER_IMAGE"]
+    assert (values["accelerator"], values["topology"], values["slices"]) == (
+        data["SLIPWAY_TPU_ACCELERATOR"],
+        data["SLIPWAY_TPU_TOPOLOGY"],
+        int(data["SLIPWAY_TPU_SLICES"]),
+    )
+    expected_gke = {
+        "namespace": data["SLIPWAY_TRAINING_NAMESPACE"],
+        "service_account": data["SLIPWAY_TRAINER_SERVICE_ACCOUNT"],
+    }
+    if kueue:
+        expected_gke["queue"] = data["SLIPWAY_KUEUE_QUEUE"]
+    assert values["gke"] == expected_gke
+    check_run_config(values)
+    check_run_config({**values, "runner": "DataflowRunner"})

@@ -269,6 +269,70 @@ def test_a_taken_over_runner_does_not_mark_success(tmp_path):
     assert _marker(tmp_path, step)["status"] == "RUNNING"  # never SUCCESS from the zombie
 
 
+# -- a lease held across a deferral (StepRunner.run_held / HeldLease) ------------------------
+
+
+def test_held_lease_leaves_the_step_running_until_it_is_ended(tmp_path):
+    step = Step("deferred", {"k": 1})
+    runner = StepRunner(str(tmp_path), owner="submitter", lease_seconds=30)
+    held: list[steps.HeldLease] = []
+
+    def submit(spec: StepSpec, lease: steps.HeldLease) -> dict:
+        held.append(lease)
+        assert _marker(tmp_path, step)["status"] == "RUNNING"  # claimed before the work starts
+        return {"handle": "jobset-1"}
+
+    result = runner.run_held(step, submit)
+    (lease,) = held
+    assert result.outcome is Outcome.RAN and result.status.status is Status.RUNNING
+    assert result.result == {"handle": "jobset-1"}
+    # Plain data: what a trigger's kwargs carry, and what another process rebuilds.
+    lease = steps.HeldLease.from_dict(json.loads(json.dumps(lease.to_dict())))
+    assert lease.owned() and lease.renew_every == 10
+    # Nobody else may run it while held: the plan waits on the live lease.
+    (entry,) = plan([step], str(tmp_path))
+    assert entry.action is Action.WAIT and "submitter" in entry.reason
+    before = _marker(tmp_path, step)["lease_expires_at"]
+    time.sleep(0.01)
+    assert lease.renew() and _marker(tmp_path, step)["lease_expires_at"] > before
+    record = lease.succeed({"loss": 1.5})
+    assert record.status is Status.SUCCESS and _marker(tmp_path, step)["result"] == {"loss": 1.5}
+    current = steps.current_lease(steps.LocalStore(), output_path(str(tmp_path), step))
+    assert current is not None and current.released  # released, so a rerun need not wait
+    again = StepRunner(str(tmp_path), owner="later").run(step, lambda spec: pytest.fail("ran"))
+    assert again.outcome is Outcome.CACHED
+
+
+def test_held_lease_failures_and_takeovers(tmp_path):
+    step = Step("deferred", {"k": 2})
+    runner = StepRunner(str(tmp_path), owner="submitter", lease_seconds=30)
+
+    def refused(spec: StepSpec, lease: steps.HeldLease) -> None:
+        raise RuntimeError("quota")
+
+    with pytest.raises(RuntimeError, match="quota"):
+        runner.run_held(step, refused)
+    marker = _marker(tmp_path, step)
+    assert marker["status"] == "FAILED" and marker["error"] == "RuntimeError: quota"
+    # FAILED reruns; this time the submission works, then another runner takes over.
+    result = runner.run_held(step, lambda spec, lease: None)
+    lease = steps.HeldLease(
+        output=output_path(str(tmp_path), step),
+        step=step.name,
+        version=step.version,
+        owner="submitter",
+        generation=result.status.generation,
+        started_at=result.status.started_at,
+        lease_seconds=30,
+    )
+    assert lease.owned()
+    _write_lease(tmp_path, step, Lease(lease.generation + 1, "other", time.time() + 30))
+    assert not lease.owned() and not lease.renew() and not lease.fail("too late")
+    with pytest.raises(steps.LeaseLost):
+        lease.succeed({})
+    assert _marker(tmp_path, step)["status"] == "RUNNING"  # the new owner's run is untouched
+
+
 def _race_worker(root: str, barrier, results) -> None:
     step = Step("race", {"k": 1})
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,33 +13,14 @@ from operators.jobset.preflight import (
     accelerator_type_name,
     check_accelerator_offered,
 )
+from tests.fakes.tpu_api import FakeTpuClient, accelerator_type
 
 PROJECT = "slipway-test"
 ZONE = "us-east5-a"
 
 
 def _type(name: str, topology: str | None = None) -> Any:
-    """An AcceleratorType as the API returns it (name, type_, accelerator_configs)."""
-    configs = [SimpleNamespace(type_=0, topology=topology)] if topology else []
-    return SimpleNamespace(
-        name=f"projects/{PROJECT}/locations/{ZONE}/acceleratorTypes/{name}",
-        type_=name,
-        accelerator_configs=configs,
-    )
-
-
-class FakeTpuClient:
-    """Stands in for google.cloud.tpu_v2.TpuClient: answers from a fixed list, or raises."""
-
-    def __init__(self, types: list[Any] | None = None, error: Exception | None = None):
-        self.types, self.error = types or [], error
-        self.calls: list[dict[str, Any]] = []
-
-    def list_accelerator_types(self, *, parent: str, **kwargs: Any) -> list[Any]:
-        self.calls.append({"parent": parent, **kwargs})
-        if self.error is not None:
-            raise self.error
-        return list(self.types)
+    return accelerator_type(name, topology, project=PROJECT, zone=ZONE)
 
 
 ZONE_TYPES = [
