@@ -84,6 +84,7 @@ PLATFORM_ENV = {
     "gke.namespace": "SLIPWAY_TRAINING_NAMESPACE",
     "gke.service_account": "SLIPWAY_TRAINER_SERVICE_ACCOUNT",
     "gke.queue": "SLIPWAY_KUEUE_QUEUE",
+    "gke.tpu_zone": "SLIPWAY_TPU_ZONE",
 }
 # The form's default image: the local build of the trainer image (docker/README.md). The local
 # backend ignores it (it runs this interpreter); no cluster can pull it, so gke refuses it.
@@ -219,7 +220,8 @@ def _form(platform: Mapping[str, Any]) -> dict[str, Param]:
             description="For backend=gke: namespace (required) and one credentials source -- "
             "cluster_name + location [+ project_id, gcp_conn_id] (GKE via a GCP connection), "
             "kubeconfig [+ context], or in_cluster; none: in-cluster inside a pod -- plus an "
-            "optional Workload-Identity service_account and Kueue queue.",
+            "optional Workload-Identity service_account and Kueue queue, and tpu_zone (the TPU node "
+            "pools' zone, for the availability preflight).",
             properties={
                 "namespace": {"type": "string"},
                 "cluster_name": {"type": "string"},
@@ -232,6 +234,7 @@ def _form(platform: Mapping[str, Any]) -> dict[str, Param]:
                 "in_cluster": {"type": "boolean"},
                 "service_account": {"type": "string"},
                 "queue": {"type": "string"},
+                "tpu_zone": {"type": "string"},
             },
             additionalProperties=False,
         ),
@@ -306,6 +309,7 @@ GKE_CLUSTER_KEYS = (
     "location",
     "cluster_name",
     "use_internal_ip",
+    "tpu_zone",
 )
 GKE_LAUNCH_KEYS = ("service_account", "queue")
 _GCP_LOCATION = re.compile(r"^[a-z]+-[a-z]+[0-9]+(-[a-z])?$")  # us-central2, us-east5-a

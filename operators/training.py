@@ -462,10 +462,11 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         (:func:`~operators.jobset.preflight.check_accelerator_offered`): only a definite "not
         offered" raises; an API that cannot be asked is a warning in the task log.
 
-        The zone is the GKE cluster settings' ``location``, the project theirs or the GCP
-        connection's, the credentials the connection's (``GoogleBaseHook``, looked up only when
-        the API is asked). Kubeconfig and in-cluster settings name no zone, and regional
-        clusters have none: skipped, with a line saying so.
+        The zone is ``gke.tpu_zone`` (``$SLIPWAY_TPU_ZONE``: the TPU node pools' zone), else
+        the GKE cluster settings' ``location``; the project theirs or the GCP connection's, the
+        credentials the connection's (``GoogleBaseHook``, looked up only when the API is
+        asked). With no zone (kubeconfig or in-cluster settings without ``tpu_zone``) it is
+        skipped, with a line saying so; a regional location is skipped by the preflight.
         """
         from functools import cache
 
@@ -473,8 +474,12 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         from operators.jobset.preflight import PreflightResult, check_accelerator_offered
 
         settings = ClusterSettings.from_dict(cluster)
-        if shape.is_tpu and (settings.source != "gke" or not settings.location):
-            message = f"cluster settings ({settings.source}) name no zone: preflight skipped"
+        zone = settings.tpu_zone or (settings.location if settings.source == "gke" else None)
+        if shape.is_tpu and not zone:
+            message = (
+                f"cluster settings ({settings.source}) name no zone and gke.tpu_zone"
+                " ($SLIPWAY_TPU_ZONE) is not set: preflight skipped"
+            )
             self.log.info("TPU preflight: %s", message)
             return PreflightResult("skipped", shape.accelerator, "", message)
 
@@ -490,7 +495,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         return check_accelerator_offered(
             shape,
             project=settings.project_id or (lambda: hook().project_id),
-            zone=settings.location or "",
+            zone=zone or "",
             client=self.tpu_client,
             credentials=lambda: hook().get_credentials(),
         )

@@ -27,6 +27,7 @@ import copy
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -124,6 +125,9 @@ class CredentialsUnavailable(JobSetApiError):
 # where the cluster is, and whose credentials
 
 
+_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     """Where JobSets go and which credentials reach the cluster: plain, JSON-able settings.
@@ -143,6 +147,9 @@ class ClusterSettings:
     location: str | None = None
     cluster_name: str | None = None
     use_internal_ip: bool = False
+    # The TPU node pools' zone, for the availability preflight only: kubeconfig and in-cluster
+    # settings name no location, and a regional cluster's location is not a zone.
+    tpu_zone: str | None = None
 
     @property
     def source(self) -> str:
@@ -189,6 +196,8 @@ class ClusterSettings:
             out.append(f"credentials: choose one source, not {' and '.join(sources)}")
         if self.cluster_name and not self.location:
             out.append("location: a GKE cluster_name needs its location (region or zone)")
+        if self.tpu_zone and not _ZONE.match(self.tpu_zone):
+            out.append(f"tpu_zone: {self.tpu_zone!r} is not a zone (e.g. us-central2-b)")
         gcp_only = self.location or self.project_id or self.gcp_conn_id or self.use_internal_ip
         if gcp_only and not self.cluster_name:
             out.append(

@@ -653,3 +653,37 @@ def test_deferral_holds_no_thread(fake, kubeconfig):
     event = asyncio.run(main())
     assert event.payload["event"] == "terminal"
     assert len(ticks) >= 10
+
+
+def test_preflight_asks_in_the_tpu_zone_setting_with_in_cluster_credentials(monkeypatch):
+    """A regional, in-cluster deploy names no zone: ``gke.tpu_zone`` says where to ask."""
+    from airflow.providers.google.common.hooks import base_google
+
+    from operators.jobset.catalogue import resolve
+    from operators.jobset.gke import ClusterSettings
+    from operators.training import TrainingOperator
+    from tests.fakes.tpu_api import FakeTpuClient, accelerator_type
+
+    class ConnectionHook:  # the GCP connection's project and credentials (none reachable here)
+        def __init__(self, gcp_conn_id: str) -> None:
+            self.project_id = PROJECT
+
+        def get_credentials(self) -> None:
+            return None
+
+    monkeypatch.setattr(base_google, "GoogleBaseHook", ConnectionHook)
+    shape = resolve("v5e", "2x4", 1)
+    op = TrainingOperator(task_id="train")
+    op.tpu_client = FakeTpuClient(types=[accelerator_type("v5litepod-8", "2x4")])
+    in_cluster = {"namespace": "t", "in_cluster": True}
+    result = op._tpu_preflight(shape, {**in_cluster, "tpu_zone": "us-central1-a"})
+    assert [c["parent"] for c in op.tpu_client.calls] == [
+        f"projects/{PROJECT}/locations/us-central1-a"
+    ]
+    assert result.status != "skipped", result
+    skipped = op._tpu_preflight(shape, in_cluster)
+    assert skipped.status == "skipped" and "tpu_zone" in skipped.message
+    assert len(op.tpu_client.calls) == 1  # not asked without a zone
+    assert ClusterSettings(tpu_zone="us-central1").problems() == [
+        "tpu_zone: 'us-central1' is not a zone (e.g. us-central2-b)"
+    ]

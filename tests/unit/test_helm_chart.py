@@ -745,8 +745,9 @@ def test_config_keys_are_the_env_names_the_code_reads(
     )
     unknown = keys - READ_BY_OPERATORS - dataflow - form_default_env_names() - STANDARD_ENV
     assert not unknown, f"ConfigMap keys nobody reads: {unknown}"
-    # Every form default the code reads is set (the queue only with Kueue on) and documented.
-    optional = {"SLIPWAY_KUEUE_QUEUE"}
+    # Every form default the code reads is set (the queue only with Kueue on, the TPU zone
+    # only when given) and documented.
+    optional = {"SLIPWAY_KUEUE_QUEUE", "SLIPWAY_TPU_ZONE"}
     assert form_default_env_names() - optional <= keys
     readme = (REPO / "charts" / "README.md").read_text()
     for key in form_default_env_names():
@@ -912,6 +913,8 @@ def test_the_configmap_prefills_a_valid_run_form(
     }
     if kueue:
         expected_gke["queue"] = data["SLIPWAY_KUEUE_QUEUE"]
+    if "SLIPWAY_TPU_ZONE" in data:
+        expected_gke["tpu_zone"] = data["SLIPWAY_TPU_ZONE"]
     assert values["gke"] == expected_gke
     check_run_config(values)
     check_run_config({**values, "runner": "DataflowRunner"})
