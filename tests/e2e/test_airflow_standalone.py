@@ -317,7 +317,7 @@ def test_training_killed_from_the_api_resumes_from_its_checkpoint(airflow):
     af = airflow
     af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
     # A new training step, long enough to be killed midway (the tiny model does ~1-10 ms/step).
-    steps = 20_000
+    steps = 10_000
     t0 = time.monotonic()
     af.trigger("e2e_killed", tiny_conf(af.data, seed=8, steps=steps))
     deadline = time.monotonic() + 300
