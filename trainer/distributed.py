@@ -103,21 +103,55 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+def device_slices(devices: list, num_slices: int = 0) -> list[int]:
+    """The slice of each device. TPU devices carry ``slice_index``. Platforms that do not (CPU,
+    GPU) report one slice (or none) for every device: there a multislice job (``num_slices`` > 1,
+    by default ``MEGASCALE_NUM_SLICES``) groups its processes into that many equal, contiguous
+    slices, as the JobSet numbers them (process id = slice x hosts_per_slice + worker)."""
+    ids = [getattr(d, "slice_index", 0) or 0 for d in devices]
+    if len(set(ids)) > 1:
+        return ids
+    if num_slices <= 0:
+        num_slices = int(os.environ.get("MEGASCALE_NUM_SLICES", "1") or 1)
+    if num_slices <= 1:
+        return ids
+    procs = sorted({d.process_index for d in devices})
+    if len(procs) % num_slices:
+        raise ValueError(f"mesh: {len(procs)} processes do not split into {num_slices} slices")
+    per_slice = len(procs) // num_slices
+    rank = {p: i for i, p in enumerate(procs)}
+    return [rank[d.process_index] // per_slice for d in devices]
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None, num_slices: int = 0) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(cfg, len(devices))
-    slices = {getattr(d, "slice_index", 0) for d in devices}
-    if shape[0] > 1 and len(slices) > 1:
-        # Multislice TPU: replica across slices (DCN), the rest inside a slice (ICI). CPU and
-        # single-slice devices may carry slice_index too (all 0): they take the plain path.
+    slices = device_slices(devices, num_slices)
+    n_slices = len(set(slices))
+    if n_slices > 1:
+        # Multislice: replica across slices (DCN), the rest inside a slice (ICI). Single-slice
+        # devices that carry slice_index (all 0) take the plain path below.
+        if shape[0] % n_slices:
+            raise ValueError(f"mesh: replica={shape[0]} must be a multiple of {n_slices} slices")
         from jax.experimental import mesh_utils
 
-        arr = mesh_utils.create_hybrid_device_mesh(
-            (1, *shape[1:]), (shape[0], 1, 1, 1), devices=devices
+        by_slice: dict[int, list] = {}
+        for d, s in zip(devices, slices, strict=True):
+            by_slice.setdefault(s, []).append(d)
+        inner = (shape[0] // n_slices, *shape[1:])
+        # per slice: the topology-aware ICI mesh (on TPU), then slices stacked along replica
+        arr = np.concatenate(
+            [
+                mesh_utils.create_device_mesh(
+                    inner, sorted(by_slice[s], key=lambda d: (d.process_index, d.id))
+                )
+                for s in sorted(by_slice)
+            ],
+            axis=0,
         )
     else:
         # process-major order: each host's devices are contiguous along the batch axes
-        devices.sort(key=lambda d: (getattr(d, "slice_index", 0), d.process_index, d.id))
+        devices.sort(key=lambda d: (d.process_index, d.id))
         arr = np.array(devices).reshape(shape)
     return Mesh(arr, AXES)
 

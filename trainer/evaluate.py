@@ -34,14 +34,14 @@ from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
-from trainer.model import Transformer, segments_and_positions
+from trainer.model import Transformer, loss_chunk, segments_and_positions, token_nll
 
 
-def _eval_step(params: Transformer, tokens, weights, *, eos_id: int, dtype):
+def _eval_step(params: Transformer, tokens, weights, *, eos_id: int, dtype, chunk: int):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     segments, positions = segments_and_positions(inputs, eos_id)
-    logits, _ = params(inputs, segments, positions, None, dtype)
-    nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    x, _ = params.hidden(inputs, segments, positions, None, dtype)
+    nll = token_nll(x, params.head(), targets, chunk)  # never the whole (B, S, V) logits
     return jnp.sum(nll * weights[:, None]), jnp.sum(weights) * targets.shape[1]
 
 
@@ -79,8 +79,9 @@ def evaluate_store(
         raise ValueError(f"{store.root}: fewer than seq_len + 1 = {seq_len + 1} tokens")
     row_sharding = dist.batch_sharding(mesh)
     weight_sharding = dist.NamedSharding(mesh, dist.PartitionSpec(dist.BATCH_AXES))
+    chunk = loss_chunk(seq_len, batch_size // dist.data_parallel_size(mesh), store.vocab_size)
     step = jax.jit(
-        lambda p, t, w: _eval_step(p, t, w, eos_id=store.eos_id, dtype=dtype),
+        lambda p, t, w: _eval_step(p, t, w, eos_id=store.eos_id, dtype=dtype, chunk=chunk),
         in_shardings=(shardings, row_sharding, weight_sharding),
     )
 

@@ -13,6 +13,7 @@ Conventions:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -119,6 +120,89 @@ def _normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
     return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
 
 
+def _materialized_transpose(a: Array) -> Array:
+    """a.T as a real row-major array. The barrier stops XLA from folding the transpose back into
+    the consuming dot's dimension numbers, which on CPU ends in a dot with a transposed operand
+    that XLA handles by writing a big operand transposed inside an elementwise fusion (slow,
+    strided) or by a slower dot kernel."""
+    return jax.lax.optimization_barrier(a.T)
+
+
+@jax.custom_vjp
+def dense(x: Array, w: Array) -> Array:
+    """x (..., K) @ w (K, M) -> (..., M), with a CPU-friendly backward pass.
+
+    The weight gradient contracts over all tokens, the major axis of both x and dy. Autodiff
+    leaves XLA:CPU to pick which of the two to transpose, and it picks badly (e.g. a (tokens,
+    4 x hidden) activation gradient written transposed inside the SwiGLU fusion: 2x slower MLP
+    backward at the 30m/75m shapes). Here the smaller of x and dy is transposed explicitly, so
+    every matmul runs on row-major operands. Same math and FLOPs as autodiff."""
+    return jnp.einsum("...k,km->...m", x, w)
+
+
+def _dense_fwd(x, w):
+    return dense(x, w), (x, w)
+
+
+def _weight_grad(a: Array, b: Array) -> Array:
+    """a^T b for token-major a (N, K) and b (N, M), in float32: the contraction over tokens of
+    every weight gradient. The narrower of a and b is transposed explicitly."""
+    f32 = jnp.float32
+    if a.shape[1] <= b.shape[1]:
+        return jnp.matmul(_materialized_transpose(a), b, preferred_element_type=f32)
+    return jnp.matmul(_materialized_transpose(b), a, preferred_element_type=f32).T
+
+
+def _dense_bwd(res, dy):
+    x, w = res
+    k, m = w.shape
+    x2, dy2 = x.reshape(-1, k), dy.reshape(-1, m)
+    dx = jnp.einsum("nm,km->nk", dy2, w, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype).reshape(x.shape), _weight_grad(x2, dy2).astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+@jax.custom_vjp
+def swiglu(x: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
+    """SwiGLU MLP (silu(x Wg) * (x Wu)) Wd, x (..., D). Its backward keeps only x, x Wg and x Wu
+    (autodiff stores six (tokens x F) arrays per layer, which the layer scan writes and zero-fills
+    every step) and runs every matmul on row-major operands as ``dense`` does."""
+    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)
+
+
+def _swiglu_fwd(x, w_gate, w_up, w_down):
+    x2 = x.reshape(-1, x.shape[-1])
+    g, u = x2 @ w_gate, x2 @ w_up
+    y = (jax.nn.silu(g) * u) @ w_down
+    return y.reshape(x.shape), (x2, g, u, w_gate, w_up, w_down)
+
+
+def _swiglu_bwd(res, dy):
+    x2, g, u, w_gate, w_up, w_down = res
+    f32 = jnp.float32
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    gf = g.astype(f32)
+    sig = jax.nn.sigmoid(gf)
+    silu = gf * sig
+    h = (silu * u.astype(f32)).astype(g.dtype)
+    dh = jnp.einsum("nd,fd->nf", dy2, w_down, preferred_element_type=f32)
+    dg = (dh * u.astype(f32) * sig * (1.0 + gf * (1.0 - sig))).astype(g.dtype)  # silu'
+    du = (dh * silu).astype(u.dtype)
+    dx = jnp.einsum("nf,df->nd", dg, w_gate, preferred_element_type=f32)
+    dx = dx + jnp.einsum("nf,df->nd", du, w_up, preferred_element_type=f32)
+    return (
+        dx.astype(x2.dtype).reshape(dy.shape),
+        _weight_grad(x2, dg).astype(w_gate.dtype),
+        _weight_grad(x2, du).astype(w_up.dtype),
+        _weight_grad(h, dy2).astype(w_down.dtype),
+    )
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class RMSNorm(eqx.Module):
     weight: Array
     eps: float = eqx.field(static=True)
@@ -147,15 +231,118 @@ def rotary(x: Array, positions: Array, theta: float) -> Array:
 
 ATTN_CHUNK = 128  # smallest query block of the block-causal attention loop
 ATTN_MAX_BLOCKS = 8  # unrolled blocks at most (compile time); a TPU would use a flash kernel
+_MASKED = -1e30  # finite: a fully masked row can never occur (each query sees itself)
 
 
-def _attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """q (B, Sq, K, G, hd), k/v (B, T, K, hd), mask (B, Sq, T) -> (B, Sq, K, G, hd).
-    Scores and softmax in float32."""
-    scores = jnp.einsum("bskgh,btkh->bkgst", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgst,btkh->bskgh", probs, v)
+def _query_blocks(s: int) -> list[tuple[int, int]]:
+    """Query blocks [lo, hi); block i attends to keys [0, hi). One block when s is small."""
+    chunk = max(ATTN_CHUNK, s // ATTN_MAX_BLOCKS)
+    if s <= chunk or s % chunk:
+        return [(0, s)]
+    return [(i * chunk, (i + 1) * chunk) for i in range(s // chunk)]
+
+
+def _block_bias(segments: Array, lo: int, hi: int) -> Array:
+    """Additive mask (B, c, hi) of query block [lo, hi) against keys [0, hi): 0 where the key
+    is not in the future and in the same document, else -1e30. Built from the (B, S) segment
+    ids, never per head: adding it broadcasts inside the fused softmax."""
+    causal = (lo + jnp.arange(hi - lo))[:, None] >= jnp.arange(hi)[None, :]
+    same = segments[:, lo:hi, None] == segments[:, None, :hi]
+    return jnp.where(causal[None] & same, 0.0, _MASKED)
+
+
+def _attention_fwd_blocks(q: Array, k: Array, v: Array, segments: Array) -> tuple[Array, Array]:
+    """q already scaled by 1/sqrt(hd). Returns the output and the row log-sum-exp (float32)."""
+    f32 = jnp.float32
+    outs, lses = [], []
+    for lo, hi in _query_blocks(q.shape[3]):
+        s = jnp.einsum(
+            "bkgsh,bkth->bkgst", q[:, :, :, lo:hi], k[:, :, :hi], preferred_element_type=f32
+        )
+        s = s + _block_bias(segments, lo, hi)[:, None, None]
+        m = jnp.max(s, axis=-1, keepdims=True)
+        e = jnp.exp(s - m)
+        total = jnp.sum(e, axis=-1, keepdims=True)
+        # normalize the (c, hd) output rather than the (c, T) probabilities: one pass fewer
+        o = jnp.einsum(
+            "bkgst,bkth->bkgsh", e.astype(v.dtype), v[:, :, :hi], preferred_element_type=f32
+        )
+        outs.append((o / total).astype(v.dtype))
+        lses.append((m + jnp.log(total))[..., 0])
+    return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
+
+
+def _scale(q: Array) -> Array:
+    return q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+
+
+@jax.custom_vjp
+def block_causal_attention(q: Array, k: Array, v: Array, segments: Array) -> Array:
+    """Softmax attention, causal and within documents, heads-major:
+    q (B, K, G, S, hd), k/v (B, K, S, hd), segments (B, S) -> (B, K, G, S, hd).
+
+    Query blocks attend only to keys up to their own end, so the all-masked upper triangle of
+    blocks is never computed. Scores and softmax are float32. The backward pass is the
+    flash-attention one: only the output and the row log-sum-exp are kept, and each block's
+    probabilities are recomputed from q and k. Keeping (B, H, S, S) probabilities per layer
+    instead costs more on CPU (writing, zero-filling and re-reading them through the layer
+    scan) than the extra q.k matmul; on an accelerator it is what saves the memory."""
+    return _attention_fwd_blocks(_scale(q), k, v, segments)[0]
+
+
+def _attention_fwd(q, k, v, segments):
+    qs = _scale(q)
+    out, lse = _attention_fwd_blocks(qs, k, v, segments)
+    return out, (qs, k, v, segments, out, lse)
+
+
+def _attention_bwd(res, d_out):
+    """Flash-attention backward, computed key-major: scores^T (keys x queries) come straight out
+    of k @ q^T, so P^T and dS^T are produced in the layout that dV = P^T dO and dK = dS^T Q
+    consume, and dQ^T = K^T dS^T. Only (B, K, S, hd)-sized operands are ever transposed, never
+    the (keys x queries) blocks (which XLA:CPU would otherwise write transposed, slowly).
+    ``qs`` is q / sqrt(hd), so dK = dS^T qs and dQ = dS K / sqrt(hd)."""
+    qs, k, v, segments, out, lse = res
+    f32 = jnp.float32
+    # D_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij (the softmax Jacobian's row term), as a
+    # matrix-vector product: XLA:CPU's reduce over a short minor axis is ~10x slower
+    prod = d_out.astype(f32) * out.astype(f32)
+    delta = jnp.matmul(prod, jnp.ones((prod.shape[-1],), f32))  # (B, K, G, S)
+    k_t = _materialized_transpose_last2(k)  # (B, K, hd, S)
+    dq_parts = []
+    dk = jnp.zeros(k.shape, f32)
+    dv = jnp.zeros(v.shape, f32)
+    for lo, hi in _query_blocks(qs.shape[3]):
+        qb, dob = qs[:, :, :, lo:hi], d_out[:, :, :, lo:hi]  # (B, K, G, c, hd)
+        qb_t = _materialized_transpose_heads(qb)  # (B, K, hd, G, c)
+        dob_t = _materialized_transpose_heads(dob)
+        s_t = jnp.einsum("bkth,bkhgs->bktgs", k[:, :, :hi], qb_t, preferred_element_type=f32)
+        bias_t = jnp.swapaxes(_block_bias(segments, lo, hi), 1, 2)  # (B, T, c)
+        p_t = jnp.exp(s_t + bias_t[:, None, :, None, :] - lse[:, :, None, :, lo:hi])
+        dv = dv.at[:, :, :hi].add(
+            jnp.einsum("bktgs,bkgsh->bkth", p_t.astype(dob.dtype), dob, preferred_element_type=f32)
+        )
+        dp_t = jnp.einsum("bkth,bkhgs->bktgs", v[:, :, :hi], dob_t, preferred_element_type=f32)
+        ds_t = (p_t * (dp_t - delta[:, :, None, :, lo:hi])).astype(qs.dtype)  # (B, K, T, G, c)
+        dk = dk.at[:, :, :hi].add(
+            jnp.einsum("bktgs,bkgsh->bkth", ds_t, qb, preferred_element_type=f32)
+        )
+        dq_t = jnp.einsum("bkht,bktgs->bkhgs", k_t[..., :hi], ds_t, preferred_element_type=f32)
+        dq_parts.append(dq_t.transpose(0, 1, 3, 4, 2))  # (B, K, G, c, hd)
+    dq = _scale(jnp.concatenate(dq_parts, axis=3))
+    return dq.astype(qs.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+def _materialized_transpose_last2(a: Array) -> Array:
+    return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2))
+
+
+def _materialized_transpose_heads(a: Array) -> Array:
+    """(B, K, G, c, hd) -> (B, K, hd, G, c), materialized (see ``_materialized_transpose``)."""
+    return jax.lax.optimization_barrier(a.transpose(0, 1, 4, 2, 3))
+
+
+block_causal_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 class Attention(eqx.Module):
@@ -178,31 +365,22 @@ class Attention(eqx.Module):
         self.num_heads, self.num_kv_heads, self.rope_theta = h, k, cfg.rope_theta
 
     def __call__(self, x: Array, segments: Array, positions: Array) -> Array:
-        b, s, _ = x.shape
+        b, s, d = x.shape
         dt = x.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, self.wq.astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.wk.astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv.astype(dt))
+
+        def project(w: Array) -> Array:  # (D, heads, hd) -> (B, S, heads, hd)
+            return dense(x, w.astype(dt).reshape(d, -1)).reshape(b, s, *w.shape[1:])
+
+        q, k, v = project(self.wq), project(self.wk), project(self.wv)
         q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
         hd = q.shape[-1]
         g = self.num_heads // self.num_kv_heads  # grouped-query: g query heads per kv head
-        q = q.reshape(b, s, self.num_kv_heads, g, hd)
-        # causal AND same document: packed documents never see each other
-        causal = jnp.tril(jnp.ones((s, s), bool))
-        mask = causal[None] & (segments[:, :, None] == segments[:, None, :])  # (B, S, T)
-        chunk = max(ATTN_CHUNK, s // ATTN_MAX_BLOCKS)
-        if s > chunk and s % chunk == 0:
-            # query blocks attend only to keys up to their end: the all-masked upper triangle
-            # of blocks is never computed (2.5x faster attention on CPU at seq 512, 4 blocks)
-            parts = []
-            for i in range(s // chunk):
-                lo, hi = i * chunk, (i + 1) * chunk
-                parts.append(_attend(q[:, lo:hi], k[:, :hi], v[:, :hi], mask[:, lo:hi, :hi]))
-            out = jnp.concatenate(parts, axis=1)
-        else:
-            out = _attend(q, k, v, mask)
-        out = out.reshape(b, s, self.num_heads, hd)
-        return jnp.einsum("bshk,hkd->bsd", out, self.wo.astype(dt))
+        # heads-major for the attention core: its matmuls batch over (B, K) with the g query
+        # heads of a kv head and the positions as one M dimension (no broadcast of k or v)
+        qh = q.reshape(b, s, self.num_kv_heads, g, hd).transpose(0, 2, 3, 1, 4)
+        out = block_causal_attention(qh, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, self.num_heads * hd)
+        return dense(out, self.wo.astype(dt).reshape(self.num_heads * hd, d))
 
 
 class MLP(eqx.Module):
@@ -218,8 +396,7 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Array) -> Array:
         dt = x.dtype
-        h = jax.nn.silu(x @ self.w_gate.astype(dt)) * (x @ self.w_up.astype(dt))
-        return h @ self.w_down.astype(dt)
+        return swiglu(x, self.w_gate.astype(dt), self.w_up.astype(dt), self.w_down.astype(dt))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +559,7 @@ class Transformer(eqx.Module):
         )
         self.cfg = cfg
 
-    def __call__(
+    def hidden(
         self,
         tokens: Array,
         segments: Array,
@@ -390,7 +567,8 @@ class Transformer(eqx.Module):
         router_bias: Array | None = None,
         dtype: jnp.dtype = jnp.float32,
     ) -> tuple[Array, dict[str, Array]]:
-        """tokens, segments, positions: (B, S) -> float32 logits (B, S, V), per-layer MoE stats."""
+        """tokens, segments, positions: (B, S) -> final-normed hidden states (B, S, D) in
+        ``dtype``, per-layer MoE stats. The output projection is ``head()``."""
         cfg = self.cfg
         x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
         params, static = eqx.partition(self.layers, eqx.is_array)
@@ -404,10 +582,130 @@ class Transformer(eqx.Module):
         if cfg.remat:
             body = jax.checkpoint(body)
         x, stats = jax.lax.scan(body, x, (params, router_bias))
-        x = self.final_norm(x)
-        head = self.embed.T if self.lm_head is None else self.lm_head
-        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(dtype)).astype(jnp.float32)
-        return logits, stats
+        return self.final_norm(x), stats
+
+    def head(self) -> Array:
+        """The output projection (D, V): ``lm_head``, or the embedding when tied."""
+        return self.embed.T if self.lm_head is None else self.lm_head
+
+    def __call__(
+        self,
+        tokens: Array,
+        segments: Array,
+        positions: Array,
+        router_bias: Array | None = None,
+        dtype: jnp.dtype = jnp.float32,
+    ) -> tuple[Array, dict[str, Array]]:
+        """tokens, segments, positions: (B, S) -> float32 logits (B, S, V), per-layer MoE stats.
+        Training and evaluation do not materialize the logits: see ``fused_cross_entropy``."""
+        x, stats = self.hidden(tokens, segments, positions, router_bias, dtype)
+        logits = jnp.einsum("bsd,dv->bsv", x, self.head().astype(dtype))
+        return logits.astype(jnp.float32), stats
+
+
+# ---------------------------------------------------------------------------------------------
+# loss: output projection + softmax cross-entropy, fused and chunked
+
+LOSS_CHUNK_TOKENS = 256  # tokens per device per loss chunk: (256 x V) float32 logits at a time
+
+
+def loss_chunk(seq_len: int, rows_per_device: int, vocab_size: int) -> int:
+    """Positions per row in one loss chunk: a power-of-two divisor of ``seq_len`` such that a
+    device's chunk holds about ``LOSS_CHUNK_TOKENS`` tokens (at least one position). Chunks run
+    along the sequence, never the batch, so the batch sharding is untouched."""
+    del vocab_size  # the budget is in tokens: matmul efficiency, not bytes, bounds it below
+    want = max(1, LOSS_CHUNK_TOKENS // max(rows_per_device, 1))
+    c = 1
+    while c * 2 <= want and seq_len % (c * 2) == 0:
+        c *= 2
+    return c
+
+
+def _xent_chunks(x: Array, head: Array, targets: Array, chunk: int, z_loss_coef: float | None):
+    """Scan over sequence chunks. Per chunk: logits (B, c, V) in float32, log-sum-exp, the
+    target's logit, and (when ``z_loss_coef`` is not None) d(objective)/d(logits) pushed through
+    the projection right away, so no (B, S, V) tensor ever exists. Returns per-token nll and
+    lse (B, S), and the gradients (dx (B, S, D), dhead (D, V)) of
+    ``mean(nll) + z_loss_coef * mean(lse^2)`` when asked."""
+    b, s, d = x.shape
+    n = b * s
+    xs = x.reshape(b, s // chunk, chunk, d).swapaxes(0, 1)  # (S/c, B, c, D)
+    ts = targets.reshape(b, s // chunk, chunk).swapaxes(0, 1)
+    with_grads = z_loss_coef is not None
+    f32 = jnp.float32
+    w = head.astype(x.dtype)  # compute dtype for the matmuls; dhead accumulates in float32
+
+    def body(dhead, xt):
+        xc, tc = xt
+        logits = jnp.einsum("bcd,dv->bcv", xc, w, preferred_element_type=f32)
+        m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+        e = jnp.exp(logits - m)
+        total = jnp.sum(e, axis=-1, keepdims=True)
+        lse = (m + jnp.log(total))[..., 0]
+        # one-hot compare rather than a gather: its transpose is not a scatter, and it works
+        # unchanged on a vocabulary sharded over the tensor axis
+        hit = jnp.arange(logits.shape[-1]) == tc[..., None]
+        nll = lse - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        if not with_grads:
+            return dhead, (nll, lse, None)
+        p = e / total
+        # d/dlogits of mean(nll) + z * mean(lse^2): (p - onehot) / n + 2 z lse p / n
+        dlogits = (p * (1.0 + 2.0 * z_loss_coef * lse[..., None]) - hit.astype(f32)) / n
+        dlogits = dlogits.astype(xc.dtype)
+        dx = jnp.einsum("bcv,dv->bcd", dlogits, w, preferred_element_type=f32)
+        dhead = dhead + _weight_grad(xc.reshape(-1, d), dlogits.reshape(-1, dlogits.shape[-1]))
+        return dhead, (nll, lse, dx.astype(xc.dtype))
+
+    dhead0 = jnp.zeros(head.shape, f32) if with_grads else None
+    dhead, (nll, lse, dx) = jax.lax.scan(body, dhead0, (xs, ts))
+    nll, lse = nll.swapaxes(0, 1).reshape(b, s), lse.swapaxes(0, 1).reshape(b, s)
+    if with_grads:
+        dx = dx.swapaxes(0, 1).reshape(b, s, d)
+    return nll, lse, dx, dhead
+
+
+def token_nll(x: Array, head: Array, targets: Array, chunk: int) -> Array:
+    """Per-token cross-entropy (B, S) in float32 of hidden states x (B, S, D) under the output
+    projection ``head`` (D, V), computed chunk by chunk (forward only: evaluation)."""
+    return _xent_chunks(x, head, targets, chunk, None)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_xent(x, head, targets, z_loss_coef, chunk):
+    nll, lse, _, _ = _xent_chunks(x, head, targets, chunk, None)
+    return jnp.mean(nll) + z_loss_coef * jnp.mean(lse**2), jnp.mean(nll)
+
+
+def _fused_xent_fwd(x, head, targets, z_loss_coef, chunk):
+    nll, lse, dx, dhead = _xent_chunks(x, head, targets, chunk, z_loss_coef)
+    out = (jnp.mean(nll) + z_loss_coef * jnp.mean(lse**2), jnp.mean(nll))
+    return out, (dx, dhead.astype(head.dtype))
+
+
+def _fused_xent_bwd(z_loss_coef, chunk, res, g):
+    dx, dhead = res
+    g_objective, _ = g  # the plain loss is returned under stop_gradient: its cotangent is 0
+    return (g_objective * dx).astype(dx.dtype), (g_objective * dhead).astype(dhead.dtype), None
+
+
+_fused_xent.defvjp(_fused_xent_fwd, _fused_xent_bwd)
+
+
+def fused_cross_entropy(
+    x: Array, head: Array, targets: Array, *, z_loss_coef: float, chunk: int
+) -> tuple[Array, Array]:
+    """(objective, loss) of hidden states x (B, S, D), output projection ``head`` (D, V) and
+    integer targets (B, S): loss = mean cross-entropy (nats), objective = loss + z_loss_coef x
+    mean(logsumexp^2). Only the objective is differentiable.
+
+    Equal to the softmax cross-entropy of ``x @ head`` but never materializes the (B, S, V)
+    logits: the sequence is processed ``chunk`` positions at a time and, when differentiated,
+    each chunk's gradient is computed in the forward pass (the objective is a fixed mean, so its
+    cotangent is a scalar that only scales them). Same matmul FLOPs as autodiff, none of its
+    (B, S, V) float32 temporaries, and no scatter for the target gather: 3-4x faster on CPU for
+    an 8k vocabulary, and it bounds the memory of large-vocabulary heads anywhere."""
+    objective, loss = _fused_xent(x, head, targets, float(z_loss_coef), chunk)
+    return objective, jax.lax.stop_gradient(loss)
 
 
 def segments_and_positions(tokens: Array, eos_id: int) -> tuple[Array, Array]:

@@ -33,6 +33,7 @@ from jax import Array
 from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist
+from trainer import model as model_lib
 from trainer.config import (
     ConfigError,
     ModelConfig,
@@ -70,18 +71,19 @@ def loss_and_stats(
     eos_id: int,
     z_loss_coef: float,
     dtype: Any,
+    loss_chunk: int = 0,
 ) -> tuple[Array, dict[str, Array]]:
     """Mean next-token cross-entropy of a packed window batch (B, S+1), plus z-loss and the MoE
-    auxiliary loss when configured. Returns (objective, stats)."""
+    auxiliary loss when configured. Returns (objective, stats). ``loss_chunk``: positions per
+    chunk of the fused output projection + loss (0: sized for one device holding the batch)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     segments, positions = segments_and_positions(inputs, eos_id)
-    logits, moe = params(inputs, segments, positions, router_bias, dtype)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    nll = logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    loss = jnp.mean(nll)
-    objective = loss
-    if z_loss_coef > 0:
-        objective = objective + z_loss_coef * jnp.mean(logz**2)
+    x, moe = params.hidden(inputs, segments, positions, router_bias, dtype)
+    b, s = inputs.shape
+    chunk = loss_chunk or model_lib.loss_chunk(s, b, params.cfg.vocab_size)
+    objective, loss = model_lib.fused_cross_entropy(
+        x, params.head(), targets, z_loss_coef=z_loss_coef, chunk=chunk
+    )
     stats: dict[str, Array] = {"loss": loss}
     m = params.cfg.moe
     if m is not None:
@@ -98,9 +100,12 @@ def loss_and_stats(
     return objective, stats
 
 
-def make_train_step(cfg: TrainConfig, mcfg: ModelConfig, tx, eos_id: int):
+def make_train_step(cfg: TrainConfig, mcfg: ModelConfig, tx, eos_id: int, data_parallel: int = 1):
+    """The jit-able step (state, tokens) -> (state, metrics). ``data_parallel``: how many ways
+    the batch is split, which sizes the per-device chunks of the fused loss."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
     lr_fn = schedule(cfg.optimizer, cfg.steps)
+    chunk = model_lib.loss_chunk(cfg.seq_len, cfg.batch_size // data_parallel, mcfg.vocab_size)
 
     def step_fn(state: TrainState, tokens: Array) -> tuple[TrainState, dict[str, Array]]:
         def objective(p):
@@ -111,6 +116,7 @@ def make_train_step(cfg: TrainConfig, mcfg: ModelConfig, tx, eos_id: int):
                 eos_id=eos_id,
                 z_loss_coef=cfg.optimizer.z_loss_coef,
                 dtype=dtype,
+                loss_chunk=chunk,
             )
 
         (obj, stats), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
@@ -205,7 +211,7 @@ def setup(cfg: TrainConfig) -> Run:
             state = checkpointer.restore(latest, target)
             start = latest
     step_fn = jax.jit(
-        make_train_step(cfg, mcfg, tx, loader.eos_id),
+        make_train_step(cfg, mcfg, tx, loader.eos_id, dp),
         in_shardings=(shardings, dist.batch_sharding(mesh)),
         out_shardings=(shardings, dist.replicated(mesh)),
         donate_argnums=0,
@@ -353,6 +359,10 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
                 "devices": jax.device_count(),
                 "processes": jax.process_count(),
                 "mesh": dict(run.mesh.shape),
+                # process of each mesh position: shows which axis crosses hosts / slices
+                "mesh_processes": np.vectorize(lambda d: d.process_index)(
+                    run.mesh.devices
+                ).tolist(),
             },
         )
     feeder = BatchFeeder(run.loader, run.mesh, cfg.seq_len, cfg.batch_size)

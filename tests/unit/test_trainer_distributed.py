@@ -97,3 +97,30 @@ def test_replica_axis_on_devices_of_one_slice_uses_the_plain_mesh():
     devices = [FakeDevice(i, i) for i in range(2)]
     mesh = make_mesh(MeshConfig(replica=2, data=1, fsdp=1, tensor=1), devices)
     assert mesh.devices.shape[0] == 2
+
+
+def test_multislice_mesh_puts_slices_on_the_replica_axis(monkeypatch):
+    from dataclasses import dataclass
+
+    from trainer.distributed import device_slices
+
+    @dataclass(frozen=True)
+    class FakeDevice:  # a CPU/GPU-like device: no slice_index
+        id: int
+        process_index: int
+        platform: str = "cpu"
+        device_kind: str = "cpu"
+
+    # 4 processes x 2 devices; 2 slices of 2 hosts (process id = slice x hosts + worker)
+    devices = [FakeDevice(10 * p + i, p) for p in (3, 1, 0, 2) for i in range(2)]
+    assert device_slices(devices, 1) == [0] * 8
+    assert device_slices(devices, 2) == [1, 1, 0, 0, 0, 0, 1, 1]
+    monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")  # the JobSet's multislice variable
+    mesh = make_mesh(MeshConfig(replica=2, data=-1), devices)
+    assert mesh.devices.shape == (2, 4, 1, 1)
+    procs = [[d.process_index for d in row.ravel()] for row in mesh.devices]
+    assert procs == [[0, 0, 1, 1], [2, 2, 3, 3]]  # one slice per replica, hosts contiguous
+    with pytest.raises(ValueError, match="replica"):
+        make_mesh(MeshConfig(replica=1, data=-1), devices)
+    with pytest.raises(ValueError, match="slices"):
+        device_slices(devices, 3)
