@@ -103,7 +103,6 @@ class StepLineageMixin:
         runner: StepRunner | None = None,
         output_subpath: str = "",
     ) -> StepResult:
-        from operators.lineage import ExecutionState
         from operators.steps import resolve
 
         root = runner.root if runner else self.steps_root()
@@ -115,51 +114,94 @@ class StepLineageMixin:
         )
         store = self.lineage_store()
         try:
-            execution = store.start_execution(
-                step.name,
-                run_id=context.get("run_id"),
-                pipeline=getattr(self, "dag_id", None),
-                step_version=step.version,
-                properties={
-                    "task_id": getattr(self, "task_id", None),
-                    "try_number": getattr(context.get("ti"), "try_number", None),
-                    "output": spec.output_path,
-                    "unversioned": dict(spec.unversioned),
-                },
-            )
-            for ref in inputs:
-                store.record_input(
-                    execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
-                )
+            execution = self.start_step_execution(store, context, step, spec, inputs, root)
             try:
                 result = runner.run(step, fn)
             except BaseException as exc:
-                state = ExecutionState.CANCELED if _terminated(exc) else ExecutionState.FAILED
-                try:
-                    extra = dict(failure_properties(spec))
-                except Exception:  # the original error matters more
-                    log.exception("%s: could not collect failure properties", step.key)
-                    extra = {}
-                store.finish_execution(execution, state, error=exc, properties=extra)
+                self.fail_step_execution(store, execution, exc, lambda: failure_properties(spec))
                 raise
-            for ref in outputs(spec, result):
-                store.record_output(
-                    execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
-                )
-            # WAITED: another runner computed it while we waited; either way nothing ran here.
-            cached = result.outcome in (Outcome.CACHED, Outcome.WAITED)
-            store.finish_execution(
-                execution,
-                ExecutionState.CACHED if cached else ExecutionState.COMPLETE,
-                properties={
-                    "outcome": str(result.outcome),
-                    **({} if cached else complete_properties(result)),
-                },
+            self.finish_step_execution(
+                store, execution, result, outputs(spec, result), complete_properties(result), root
             )
             self.log_step(step, result)
             return result
         finally:
             store.close()
+
+    # -- the lineage record of one step attempt (run_step, and the deferred training path) -----
+
+    def start_step_execution(
+        self,
+        store: Any,
+        context: Mapping[str, Any],
+        step: Step,
+        spec: StepSpec,
+        inputs: Iterable[ArtifactRef],
+        root: str,
+    ) -> int:
+        """RUNNING, with the task, try, output and unversioned settings, and the inputs."""
+        execution = store.start_execution(
+            step.name,
+            run_id=context.get("run_id"),
+            pipeline=getattr(self, "dag_id", None),
+            step_version=step.version,
+            properties={
+                "task_id": getattr(self, "task_id", None),
+                "try_number": getattr(context.get("ti"), "try_number", None),
+                "output": spec.output_path,
+                "unversioned": dict(spec.unversioned),
+            },
+        )
+        for ref in inputs:
+            store.record_input(
+                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+            )
+        return execution
+
+    def fail_step_execution(
+        self,
+        store: Any,
+        execution: int,
+        exc: BaseException,
+        failure_properties: Callable[[], Mapping[str, Any]] = dict,
+    ) -> None:
+        """FAILED (CANCELED when the task was terminated), with the error and its context."""
+        from operators.lineage import ExecutionState
+
+        state = ExecutionState.CANCELED if _terminated(exc) else ExecutionState.FAILED
+        try:
+            extra = dict(failure_properties())
+        except Exception:  # the original error matters more
+            log.exception("execution %s: could not collect failure properties", execution)
+            extra = {}
+        store.finish_execution(execution, state, error=exc, properties=extra)
+
+    def finish_step_execution(
+        self,
+        store: Any,
+        execution: int,
+        result: StepResult,
+        outputs: Iterable[ArtifactRef],
+        complete_properties: Mapping[str, Any],
+        root: str,
+    ) -> None:
+        """COMPLETE with the outputs, or CACHED when nothing ran here."""
+        from operators.lineage import ExecutionState
+
+        for ref in outputs:
+            store.record_output(
+                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+            )
+        # WAITED: another runner computed it while we waited; either way nothing ran here.
+        cached = result.outcome in (Outcome.CACHED, Outcome.WAITED)
+        store.finish_execution(
+            execution,
+            ExecutionState.CACHED if cached else ExecutionState.COMPLETE,
+            properties={
+                "outcome": str(result.outcome),
+                **({} if cached else dict(complete_properties)),
+            },
+        )
 
     def log_step(self, step: Step, result: StepResult) -> None:
         logger = getattr(self, "log", log)

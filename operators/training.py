@@ -707,57 +707,28 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     def _start_execution(
         self, store: Any, context: Any, step: Step, spec: StepSpec, root: str
     ) -> int:
-        execution = store.start_execution(
-            step.name,
-            run_id=context.get("run_id"),
-            pipeline=getattr(self, "dag_id", None),
-            step_version=step.version,
-            properties={
-                "task_id": getattr(self, "task_id", None),
-                "try_number": getattr(context.get("ti"), "try_number", None),
-                "output": spec.output_path,
-                "unversioned": dict(spec.unversioned),
-            },
-        )
-        for ref in self._inputs(step):
-            store.record_input(
-                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
-            )
-        return execution
+        return self.start_step_execution(store, context, step, spec, self._inputs(step), root)
 
     def _finish_failed(
         self, store: Any, execution: int, spec: StepSpec | None, exc: BaseException
     ) -> None:
-        from operators.lineage import ExecutionState
-        from operators.step_lineage import _terminated
-
-        state = ExecutionState.CANCELED if _terminated(exc) else ExecutionState.FAILED
-        try:
-            extra = self._failure_properties(spec) if spec is not None else {}
-        except Exception:  # the original error matters more
-            self.log.exception("could not collect failure properties")
-            extra = {}
-        store.finish_execution(execution, state, error=exc, properties=extra)
+        self.fail_step_execution(
+            store,
+            execution,
+            exc,
+            (lambda: self._failure_properties(spec)) if spec is not None else dict,
+        )
 
     def _finish_done(
         self, store: Any, execution: int, step: Step, result: StepResult
     ) -> dict[str, Any]:
-        from operators.lineage import ExecutionState
-        from operators.steps import Outcome
-
-        root = self.steps_root()
-        for ref in self._outputs(result.spec, result):
-            store.record_output(
-                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
-            )
-        cached = result.outcome in (Outcome.CACHED, Outcome.WAITED)
-        store.finish_execution(
+        self.finish_step_execution(
+            store,
             execution,
-            ExecutionState.CACHED if cached else ExecutionState.COMPLETE,
-            properties={
-                "outcome": str(result.outcome),
-                **({} if cached else self._complete_properties(result)),
-            },
+            result,
+            self._outputs(result.spec, result),
+            self._complete_properties(result),
+            self.steps_root(),
         )
         self.log_step(step, result)
         return {
