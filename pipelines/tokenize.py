@@ -42,6 +42,7 @@ from pipelines.artifact_stage import (
     ArtifactRun,
     ArtifactTarget,
     artifact_main,
+    run_artifact_stage,
     tree_info,
 )
 from pipelines.beam_io import (
@@ -315,6 +316,28 @@ def _apply_arguments(config: TokenizeConfig, args: Any) -> TokenizeConfig:
     if args.tokenizer:
         config = dataclasses.replace(config, tokenizer=args.tokenizer)
     return config
+
+
+def run(
+    config: TokenizeConfig,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    num_shards: int,
+    beam_args: Sequence[str] = (),
+) -> ArtifactRun:
+    """The stage as its command line runs it (the no-shuffle path when the inputs allow)."""
+    return run_artifact_stage(
+        STAGE,
+        KIND,
+        build,
+        config,
+        list(inputs),
+        output,
+        num_shards=num_shards,
+        beam_args=beam_args,
+        read_build=build_from_shards,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> ArtifactRun:

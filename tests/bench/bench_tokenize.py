@@ -126,16 +126,7 @@ def run_stage_in_process(
     config = tokenize.TokenizeConfig(
         str(tokenizer), encode_threads=threads, batch_docs=batch_docs, shuffle=shuffle
     )
-    run_artifact_stage(
-        tokenize.STAGE,
-        tokenize.KIND,
-        tokenize.build,
-        config,
-        [str(inputs)],
-        str(out),
-        num_shards=num_shards,
-        read_build=tokenize.build_from_shards,
-    )
+    tokenize.run(config, [str(inputs)], str(out), num_shards=num_shards)
 
 
 # The child reports its own peak RSS: VmHWM is per address space, so unlike ru_maxrss it does

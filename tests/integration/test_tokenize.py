@@ -198,16 +198,7 @@ def _tokenize_config(tokenizer: Path, **kw) -> tokenize.TokenizeConfig:
 
 
 def _run(inputs: Path, config: tokenize.TokenizeConfig, out: Path):
-    return run_artifact_stage(
-        tokenize.STAGE,
-        tokenize.KIND,
-        tokenize.build,
-        config,
-        [str(inputs)],
-        str(out),
-        num_shards=NUM_SHARDS,
-        read_build=tokenize.build_from_shards,
-    ).manifest
+    return tokenize.run(config, [str(inputs)], str(out), num_shards=NUM_SHARDS).manifest
 
 
 def test_id_sharded_inputs_skip_the_shuffle_and_write_the_same_store(
