@@ -100,3 +100,39 @@ def write_random_store(
 
 
 __all__ = ["stdlib_texts", "train_sentencepiece", "write_random_store", "write_text_store"]
+
+
+def loss_curve(out: str | os.PathLike[str], steps: int) -> np.ndarray:
+    """The loss of every step of a finished run's metrics log (asserting steps 1..steps)."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    return np.array([r["loss"] for r in rows])
+
+
+def final_params(out: str | os.PathLike[str], steps: int) -> dict[str, np.ndarray]:
+    """The parameter arrays of the run's checkpoint at ``steps``, read back from TensorStore."""
+    import tensorstore as ts
+
+    base = os.path.join(out, "checkpoints", f"step-{steps:09d}", "arrays")
+    return {
+        n: ts.open(
+            {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(base, n)}}
+        )
+        .result()
+        .read()
+        .result()
+        for n in sorted(os.listdir(base))
+        if n.startswith("params")
+    }
+
+
+def free_port() -> int:
+    """A free loopback port (for a local ``jax.distributed`` coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

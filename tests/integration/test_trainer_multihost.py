@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tensorstore as ts
 
-from trainer.testing import write_random_store
+from trainer.testing import final_params, free_port, loss_curve, write_random_store
 
 STEPS = 12
 
@@ -53,35 +51,11 @@ def _env(devices: int) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
 
 
-def _curve(out: Path) -> np.ndarray:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return np.array([r["loss"] for r in rows])
-
-
-def _params(out: Path) -> dict[str, np.ndarray]:
-    base = out / "checkpoints" / f"step-{STEPS:09d}" / "arrays"
-    return {
-        n: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(base / n)}})
-        .result()
-        .read()
-        .result()
-        for n in sorted(os.listdir(base))
-        if n.startswith("params")
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_layouts_give_the_same_loss_curve(store, tmp_path):
     one = tmp_path / "1x1"
     two_dev = tmp_path / "1x2"
     two_proc = tmp_path / "2x1"
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             _args(
@@ -115,11 +89,11 @@ def test_layouts_give_the_same_loss_curve(store, tmp_path):
     cfg = json.loads((two_proc / "config.json").read_text())
     assert cfg["processes"] == 2 and cfg["mesh"]["fsdp"] == 2
     assert json.loads((two_dev / "config.json").read_text())["mesh"]["data"] == 2
-    ref = _curve(one)
+    ref = loss_curve(one, STEPS)
     assert ref[-1] < ref[0]
-    np.testing.assert_allclose(_curve(two_dev), ref, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(_curve(two_proc), ref, rtol=2e-5, atol=2e-5)
-    p1, p2 = _params(one), _params(two_proc)
+    np.testing.assert_allclose(loss_curve(two_dev, STEPS), ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(loss_curve(two_proc, STEPS), ref, rtol=2e-5, atol=2e-5)
+    p1, p2 = final_params(one, STEPS), final_params(two_proc, STEPS)
     assert p1.keys() == p2.keys()
     for k in p1:  # the checkpoint assembled from both processes' shards
         np.testing.assert_allclose(p2[k], p1[k], rtol=1e-4, atol=1e-5, err_msg=k)

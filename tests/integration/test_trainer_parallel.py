@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tensorstore as ts
 
-from trainer.testing import write_random_store
+from trainer.testing import final_params, free_port, loss_curve, write_random_store
 
 STEPS = 8
 TIMEOUT = 300
@@ -80,35 +78,11 @@ def _finish(procs: list[subprocess.Popen]) -> list[str]:
     return outs
 
 
-def _curve(out: Path) -> np.ndarray:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return np.array([r["loss"] for r in rows])
-
-
-def _params(out: Path) -> dict[str, np.ndarray]:
-    base = out / "checkpoints" / f"step-{STEPS:09d}" / "arrays"
-    return {
-        n: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(base / n)}})
-        .result()
-        .read()
-        .result()
-        for n in sorted(os.listdir(base))
-        if n.startswith("params")
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _same_run(out: Path, ref: Path, rtol: float) -> None:
-    curve = _curve(ref)
+    curve = loss_curve(ref, STEPS)
     assert curve[-1] < curve[0]
-    np.testing.assert_allclose(_curve(out), curve, rtol=rtol, atol=rtol)
-    p, r = _params(out), _params(ref)
+    np.testing.assert_allclose(loss_curve(out, STEPS), curve, rtol=rtol, atol=rtol)
+    p, r = final_params(out, STEPS), final_params(ref, STEPS)
     assert p.keys() == r.keys()
     for k in r:
         np.testing.assert_allclose(p[k], r[k], rtol=1e-4, atol=1e-5, err_msg=k)
@@ -149,7 +123,7 @@ def test_tensor_parallel_matches_one_device(store, reference, tmp_path):
 
 def test_multislice_replica_axis_spans_slices(store, reference, tmp_path):
     out = tmp_path / "2slices"
-    port = _free_port()
+    port = free_port()
     procs = [
         _start(
             _cmd("trainer.train", _sets(store, out, "mesh.replica=2", "mesh.data=-1")),
@@ -180,7 +154,7 @@ def test_two_process_evaluation_matches_one_process(store, reference, tmp_path):
     args = ("--store", heldout, "--max-tokens", "8192", "--batch-size", "4")
     one = tmp_path / "eval-1.json"
     two = tmp_path / "eval-2.json"
-    port = _free_port()
+    port = free_port()
     dist = [
         "distributed.mode=explicit",
         f"distributed.coordinator_address=127.0.0.1:{port}",
