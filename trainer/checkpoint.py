@@ -165,6 +165,7 @@ class Checkpointer:
         process_index: int | None = None,
         process_count: int | None = None,
         commit_timeout_s: float = 600.0,
+        write_threads: int | None = None,
     ) -> None:
         self.root = root.rstrip("/")
         self.keep = keep
@@ -172,6 +173,12 @@ class Checkpointer:
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count
         self.commit_timeout_s = commit_timeout_s
+        # TensorStore's copy and file-I/O threads for the background write (None = its default,
+        # one per core): on a CPU-only run every core the writer takes is one the step loses
+        self._write_context: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}}
+        if write_threads:
+            limit = {"limit": int(write_threads)}
+            self._write_context |= {"data_copy_concurrency": limit, "file_io_concurrency": limit}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending: Future | None = None
         self._lock = threading.Lock()
@@ -215,7 +222,7 @@ class Checkpointer:
         fs, base = _fs(d)
         if self.process_index == 0 and fs.exists(f"{base}/{COMMIT}"):
             fs.rm(f"{base}/{COMMIT}")  # re-saving a step (after a resume): invalidate first
-        ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+        ctx = ts.Context(self._write_context)
         futures = []
         opened = []
         for key, shape, dtype, shard_shape, parts in leaves:

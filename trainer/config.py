@@ -116,6 +116,9 @@ class CheckpointConfig:
     permanent_every: int = 0  # 0 = none; these are never deleted
     async_save: bool = True
     resume: bool = True
+    # threads the background writer may use; 0 = auto: a quarter of the cores when training
+    # runs on the CPU (the writer competes with the step), TensorStore's default otherwise
+    write_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -407,6 +410,7 @@ def validate(cfg: TrainConfig, *, require_data: bool = True) -> None:
     _check(c.save_every >= 0, "checkpoint.save_every", "must be >= 0 (0 = only at the end)")
     _check(c.keep >= 1, "checkpoint.keep", "must be >= 1")
     _check(c.permanent_every >= 0, "checkpoint.permanent_every", "must be >= 0")
+    _check(c.write_threads >= 0, "checkpoint.write_threads", "must be >= 0 (0 = auto)")
 
 
 def resolve_model(m: ModelConfig, vocab_size: int | None = None) -> ModelConfig:

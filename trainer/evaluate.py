@@ -33,6 +33,7 @@ import numpy as np
 from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist
+from trainer import hostmem
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
 from trainer.model import Transformer, loss_chunk, segments_and_positions, token_nll
 
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="", help="result JSON (default output_dir/eval/)")
     parser.add_argument("--tokenizer", default="", help="sentencepiece model for bits-per-byte")
     args = parser.parse_args(argv)
+    hostmem.keep_step_memory_warm()  # before any JAX backend starts (CPU runs only)
     try:
         cfg = _load(args)
         stores = args.store or [s.path for s in cfg.data.eval_sources]

@@ -251,6 +251,14 @@ def _block_bias(segments: Array, lo: int, hi: int) -> Array:
     return jnp.where(causal[None] & same, 0.0, _MASKED)
 
 
+def _block_bias_t(segments: Array, lo: int, hi: int) -> Array:
+    """``_block_bias`` transposed, (B, hi, c), built in that layout: transposing the forward's
+    mask instead makes XLA:CPU read it strided inside the backward's exp fusion (5x slower)."""
+    causal = jnp.arange(hi)[:, None] <= (lo + jnp.arange(hi - lo))[None, :]
+    same = segments[:, :hi, None] == segments[:, None, lo:hi]
+    return jnp.where(causal[None] & same, 0.0, _MASKED)
+
+
 def _attention_fwd_blocks(q: Array, k: Array, v: Array, segments: Array) -> tuple[Array, Array]:
     """q already scaled by 1/sqrt(hd). Returns the output and the row log-sum-exp (float32)."""
     f32 = jnp.float32
@@ -317,7 +325,7 @@ def _attention_bwd(res, d_out):
         qb_t = _materialized_transpose_heads(qb)  # (B, K, hd, G, c)
         dob_t = _materialized_transpose_heads(dob)
         s_t = jnp.einsum("bkth,bkhgs->bktgs", k[:, :, :hi], qb_t, preferred_element_type=f32)
-        bias_t = jnp.swapaxes(_block_bias(segments, lo, hi), 1, 2)  # (B, T, c)
+        bias_t = _block_bias_t(segments, lo, hi)  # (B, T, c)
         p_t = jnp.exp(s_t + bias_t[:, None, :, None, :] - lse[:, :, None, :, lo:hi])
         dv = dv.at[:, :, :hi].add(
             jnp.einsum("bktgs,bkgsh->bkth", p_t.astype(dob.dtype), dob, preferred_element_type=f32)
@@ -634,6 +642,9 @@ def _xent_chunks(x: Array, head: Array, targets: Array, chunk: int, z_loss_coef:
     with_grads = z_loss_coef is not None
     f32 = jnp.float32
     w = head.astype(x.dtype)  # compute dtype for the matmuls; dhead accumulates in float32
+    # dx = dlogits @ head^T contracts over the vocabulary, head's minor axis: a row-major copy
+    # of head^T (V x D, once per step) makes it a plain matmul (XLA:CPU: ~1.4x faster)
+    w_t = _materialized_transpose(w) if with_grads else None
 
     def body(dhead, xt):
         xc, tc = xt
@@ -652,7 +663,7 @@ def _xent_chunks(x: Array, head: Array, targets: Array, chunk: int, z_loss_coef:
         # d/dlogits of mean(nll) + z * mean(lse^2): (p - onehot) / n + 2 z lse p / n
         dlogits = (p * (1.0 + 2.0 * z_loss_coef * lse[..., None]) - hit.astype(f32)) / n
         dlogits = dlogits.astype(xc.dtype)
-        dx = jnp.einsum("bcv,dv->bcd", dlogits, w, preferred_element_type=f32)
+        dx = jnp.einsum("bcv,vd->bcd", dlogits, w_t, preferred_element_type=f32)
         dhead = dhead + _weight_grad(xc.reshape(-1, d), dlogits.reshape(-1, dlogits.shape[-1]))
         return dhead, (nll, lse, dx.astype(xc.dtype))
 

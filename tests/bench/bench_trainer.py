@@ -27,10 +27,11 @@ import numpy as np
 import pytest
 
 from trainer import checkpoint as ckpt
+from trainer import hostmem
 from trainer.config import load_config
 from trainer.model import flops_per_token, param_count
 from trainer.testing import write_random_store
-from trainer.train import BatchFeeder, setup
+from trainer.train import BatchFeeder, checkpoint_write_threads, setup
 
 # What a user of these presets runs: Marin's context for them (1,024 tokens, packed documents)
 # and an 8k vocabulary. Marin's batches (hundreds of sequences) would make one step last a
@@ -40,7 +41,8 @@ from trainer.train import BatchFeeder, setup
 VOCAB = 8192
 SEQ = 1024
 BATCH = 4
-SAVE_EVERY = 5  # steps per block in the checkpoint-overhead phase (a stress setting)
+SAVE_EVERY = 10  # steps per block in the checkpoint-overhead phase: a save every ~4-15 s here
+# (a stress setting: Levanter's CheckpointerConfig saves a temporary checkpoint every 15 minutes)
 
 
 class Peak:
@@ -108,10 +110,12 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
 
     # 1. compute: one fixed device batch; each step right after its own peak sample, taken
     # over as long as the previous step lasted
-    t_fixed, mfu, peaks = [], [], []
+    t_fixed, mfu, peaks, faults = [], [], [], 0
     for _ in range(steps):
         p = peak.sample(seconds=dt)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         state, dt = _step(step, state, fixed)
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         t_fixed.append(dt)
         peaks.append(p)
         mfu.append(flops_per_step / dt / p)
@@ -131,7 +135,8 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
     # 3. asynchronous checkpoints: alternate a block of SAVE_EVERY loader-fed steps without a
     # save and one that starts with a save (copy to host in this thread, write in the
     # background while the block's steps run); overhead = median over pairs of the ratio
-    c = ckpt.Checkpointer(f"{out}/ckpt-async", keep=1)
+    # the writer's thread budget the trainer uses (a quarter of the cores on a CPU-only run)
+    c = ckpt.Checkpointer(f"{out}/ckpt-async", keep=1, write_threads=checkpoint_write_threads(0))
     plain, saving, copy_s, wait_s = [], [], [], []
     n = 1000
     for _ in range(rounds):
@@ -182,6 +187,7 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
         "mfu_best_step": flops_per_step / float(np.min(t_fixed_a)) / max(peaks),
         "mfu_steps": [float(x) for x in mfu],
         "matmul_peak_gflops_median": float(np.median(peaks)) / 1e9,
+        "page_faults_per_step": faults / steps,
         "loader_overhead": float(np.median(a_loader) / np.median(a_fixed) - 1),
         "loader_wait_s_per_step": loader_wait,
         "async_ckpt_overhead": float(np.median(saving_a / plain_a) - 1),
@@ -196,6 +202,8 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
 
 
 def run(steps: int = 10, rounds: int = 4) -> dict:
+    # what `python -m trainer.train` does first on a CPU-only machine (trainer/hostmem.py)
+    warm = hostmem.keep_step_memory_warm()
     peak = Peak()
     peak.sample(1.0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,6 +219,7 @@ def run(steps: int = 10, rounds: int = 4) -> dict:
         "seq_len": SEQ,
         "batch": BATCH,
         "save_every": SAVE_EVERY,
+        "malloc_kept_warm": warm,
         "presets": rows,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -221,19 +230,20 @@ def table(r: dict) -> str:
         f"jnp.dot peak (1024^2 f32, sampled before every timed step): median "
         f"{r['matmul_peak_gflops_median']:.0f}, max {r['matmul_peak_gflops_max']:.0f} GFLOP/s; "
         f"peak RSS {r['peak_rss_mib']:.0f} MiB; vocab {r['vocab']}, seq {r['seq_len']}, "
-        f"batch {r['batch']}",
+        f"batch {r['batch']}; malloc kept warm (trainer/hostmem.py): {r['malloc_kept_warm']}",
         "",
         "| preset | params | FLOPs/token | tokens/s | MFU (median step) "
-        "| MFU (best step / best peak) "
+        "| MFU (best step / best peak) | page faults / step "
         f"| loader overhead | async ckpt overhead (save every {r['save_every']}) "
         "| per save: extra s / host copy s | state MiB | save s | restore s | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["presets"]:
         lines.append(
             f"| {p['preset']} | {p['params'] / 1e6:.2f}M | {p['flops_per_token'] / 1e6:.1f}M | "
             f"{p['tokens_per_s']:.0f} | {100 * p['mfu_vs_matmul_peak']:.1f}% | "
-            f"{100 * p['mfu_best_step']:.1f}% | {100 * p['loader_overhead']:.1f}% | "
+            f"{100 * p['mfu_best_step']:.1f}% | {p['page_faults_per_step']:.0f} | "
+            f"{100 * p['loader_overhead']:.1f}% | "
             f"{100 * p['async_ckpt_overhead']:.1f}% | "
             f"{p['async_ckpt_extra_s_per_save']:.3f} / {p['ckpt_host_copy_s']:.3f} | "
             f"{p['state_mib']:.1f} | {p['save_s']:.2f} | {p['restore_s']:.2f} | "
