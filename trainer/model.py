@@ -128,16 +128,26 @@ def _materialized_transpose(a: Array) -> Array:
     return jax.lax.optimization_barrier(a.T)
 
 
+def _contract_out(a: Array, w: Array) -> Array:
+    """a (N, *out) with w (K, *out) over ``out`` -> (N, K): an input gradient."""
+    axes = tuple(range(1, w.ndim))
+    return jax.lax.dot_general(
+        a, w, ((axes, axes), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
 @jax.custom_vjp
 def dense(x: Array, w: Array) -> Array:
-    """x (..., K) @ w (K, M) -> (..., M), with a CPU-friendly backward pass.
+    """x (..., K) @ w (K, *out) -> (..., *out), with a CPU-friendly backward pass.
 
     The weight gradient contracts over all tokens, the major axis of both x and dy. Autodiff
     leaves XLA:CPU to pick which of the two to transpose, and it picks badly (e.g. a (tokens,
     4 x hidden) activation gradient written transposed inside the SwiGLU fusion: 2x slower MLP
     backward at the 30m/75m shapes). Here the smaller of x and dy is transposed explicitly, so
-    every matmul runs on row-major operands. Same math and FLOPs as autodiff."""
-    return jnp.einsum("...k,km->...m", x, w)
+    every matmul runs on row-major operands. Same math and FLOPs as autodiff. ``out`` may have
+    several axes (e.g. (3, heads, head_dim) for fused q/k/v), so a weight sharded over one of
+    them is never reshaped across its sharded axis."""
+    return jnp.tensordot(x, w, axes=1)
 
 
 def _dense_fwd(x, w):
@@ -145,19 +155,21 @@ def _dense_fwd(x, w):
 
 
 def _weight_grad(a: Array, b: Array) -> Array:
-    """a^T b for token-major a (N, K) and b (N, M), in float32: the contraction over tokens of
-    every weight gradient. The narrower of a and b is transposed explicitly."""
+    """a^T b for token-major a (N, K) and b (N, *out) -> (K, *out), in float32: the
+    contraction over tokens of every weight gradient. The narrower of a and b is transposed
+    explicitly."""
     f32 = jnp.float32
-    if a.shape[1] <= b.shape[1]:
-        return jnp.matmul(_materialized_transpose(a), b, preferred_element_type=f32)
-    return jnp.matmul(_materialized_transpose(b), a, preferred_element_type=f32).T
+    width = math.prod(b.shape[1:])
+    if a.shape[1] <= width:
+        return jnp.tensordot(_materialized_transpose(a), b, axes=1, preferred_element_type=f32)
+    b_t = jax.lax.optimization_barrier(jnp.moveaxis(b, 0, -1))  # (*out, N), materialized
+    return jnp.moveaxis(jnp.tensordot(b_t, a, axes=1, preferred_element_type=f32), -1, 0)
 
 
 def _dense_bwd(res, dy):
     x, w = res
-    k, m = w.shape
-    x2, dy2 = x.reshape(-1, k), dy.reshape(-1, m)
-    dx = jnp.einsum("nm,km->nk", dy2, w, preferred_element_type=jnp.float32)
+    x2, dy2 = x.reshape(-1, w.shape[0]), dy.reshape(-1, *w.shape[1:])
+    dx = _contract_out(dy2, w)
     return dx.astype(x.dtype).reshape(x.shape), _weight_grad(x2, dy2).astype(w.dtype)
 
 
@@ -165,37 +177,39 @@ dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 @jax.custom_vjp
-def swiglu(x: Array, w_gate: Array, w_up: Array, w_down: Array) -> Array:
-    """SwiGLU MLP (silu(x Wg) * (x Wu)) Wd, x (..., D). Its backward keeps only x, x Wg and x Wu
-    (autodiff stores six (tokens x F) arrays per layer, which the layer scan writes and zero-fills
-    every step) and runs every matmul on row-major operands as ``dense`` does."""
-    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)
+def swiglu(x: Array, w_gate_up: Array, w_down: Array) -> Array:
+    """SwiGLU MLP (silu(x Wg) * (x Wu)) Wd, x (..., D), with ``w_gate_up`` = Wg and Wu stacked
+    (D, 2, F): one (D x 2F) matmul forward, one for the input gradient and one for both weight
+    gradients instead of two each (bigger matmuls, one transpose of x), and a weight sharded over
+    F stays sharded. The backward keeps only x and x [Wg, Wu] (autodiff stores six (tokens x F)
+    arrays per layer, which the layer scan writes and zero-fills every step) and runs every
+    matmul on row-major operands as ``dense`` does."""
+    gu = dense(x, w_gate_up)
+    return dense(jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], w_down)
 
 
-def _swiglu_fwd(x, w_gate, w_up, w_down):
+def _swiglu_fwd(x, w_gate_up, w_down):
     x2 = x.reshape(-1, x.shape[-1])
-    g, u = x2 @ w_gate, x2 @ w_up
-    y = (jax.nn.silu(g) * u) @ w_down
-    return y.reshape(x.shape), (x2, g, u, w_gate, w_up, w_down)
+    gu = jnp.tensordot(x2, w_gate_up, axes=1)  # (N, 2, F)
+    y = (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ w_down
+    return y.reshape(x.shape), (x2, gu, w_gate_up, w_down)
 
 
 def _swiglu_bwd(res, dy):
-    x2, g, u, w_gate, w_up, w_down = res
+    x2, gu, w_gate_up, w_down = res
     f32 = jnp.float32
     dy2 = dy.reshape(-1, dy.shape[-1])
-    gf = g.astype(f32)
+    gf, uf = gu[:, 0].astype(f32), gu[:, 1].astype(f32)
     sig = jax.nn.sigmoid(gf)
     silu = gf * sig
-    h = (silu * u.astype(f32)).astype(g.dtype)
+    h = (silu * uf).astype(gu.dtype)
     dh = jnp.einsum("nd,fd->nf", dy2, w_down, preferred_element_type=f32)
-    dg = (dh * u.astype(f32) * sig * (1.0 + gf * (1.0 - sig))).astype(g.dtype)  # silu'
-    du = (dh * silu).astype(u.dtype)
-    dx = jnp.einsum("nf,df->nd", dg, w_gate, preferred_element_type=f32)
-    dx = dx + jnp.einsum("nf,df->nd", du, w_up, preferred_element_type=f32)
+    dg = dh * uf * sig * (1.0 + gf * (1.0 - sig))  # silu'
+    dgu = jnp.stack([dg, dh * silu], axis=1).astype(gu.dtype)  # (N, 2, F)
+    dx = _contract_out(dgu, w_gate_up)
     return (
         dx.astype(x2.dtype).reshape(dy.shape),
-        _weight_grad(x2, dg).astype(w_gate.dtype),
-        _weight_grad(x2, du).astype(w_up.dtype),
+        _weight_grad(x2, dgu).astype(w_gate_up.dtype),
         _weight_grad(h, dy2).astype(w_down.dtype),
     )
 
@@ -376,10 +390,16 @@ class Attention(eqx.Module):
         b, s, d = x.shape
         dt = x.dtype
 
-        def project(w: Array) -> Array:  # (D, heads, hd) -> (B, S, heads, hd)
-            return dense(x, w.astype(dt).reshape(d, -1)).reshape(b, s, *w.shape[1:])
-
-        q, k, v = project(self.wq), project(self.wk), project(self.wv)
+        # one matmul for the projections of equal shape, stacked on a new axis (the heads axis
+        # keeps its sharding): q, k and v together when every head has its own kv head, else
+        # q alone and k with v
+        if self.num_heads == self.num_kv_heads:
+            qkv = dense(x, jnp.stack([self.wq, self.wk, self.wv], axis=1).astype(dt))
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, S, heads, hd)
+        else:
+            q = dense(x, self.wq.astype(dt))
+            kv = dense(x, jnp.stack([self.wk, self.wv], axis=1).astype(dt))
+            k, v = kv[:, :, 0], kv[:, :, 1]
         q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
         hd = q.shape[-1]
         g = self.num_heads // self.num_kv_heads  # grouped-query: g query heads per kv head
@@ -404,7 +424,8 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Array) -> Array:
         dt = x.dtype
-        return swiglu(x, self.w_gate.astype(dt), self.w_up.astype(dt), self.w_down.astype(dt))
+        w_gate_up = jnp.stack([self.w_gate, self.w_up], axis=1).astype(dt)  # (D, 2, F)
+        return swiglu(x, w_gate_up, self.w_down.astype(dt))
 
 
 # ---------------------------------------------------------------------------------------------

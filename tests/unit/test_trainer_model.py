@@ -65,12 +65,8 @@ def test_flops_per_token_is_about_6n_plus_attention():
 
 
 def _tiny(**kw) -> tuple[ModelConfig, Transformer]:
-    cfg = resolve_model(
-        ModelConfig(
-            hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, **kw
-        ),
-        vocab_size=20,
-    )
+    shape = dict(hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg = resolve_model(ModelConfig(**(shape | kw)), vocab_size=20)
     return cfg, init_model(cfg, jax.random.key(0))
 
 
@@ -179,13 +175,18 @@ def _reference_objective(model, tokens, eos_id, z_loss_coef):
     return jnp.mean(nll) + z_loss_coef * jnp.mean(lse**2)
 
 
-@pytest.mark.parametrize("z_loss_coef", [0.0, 1e-2])
-def test_custom_gradients_match_plain_autodiff(monkeypatch, z_loss_coef):
+@pytest.mark.parametrize(
+    ("z_loss_coef", "kv_heads"),
+    # 4 query heads over 2 kv heads (grouped-query blocks; q, then k and v stacked), and one kv
+    # head per query head (q, k and v in one stacked projection)
+    [(0.0, 2), (1e-2, 2), (1e-2, 4)],
+)
+def test_custom_gradients_match_plain_autodiff(monkeypatch, z_loss_coef, kv_heads):
     import trainer.model as model_module
     from trainer.train import loss_and_stats
 
     monkeypatch.setattr(model_module, "ATTN_CHUNK", 16)  # 4 query blocks at seq 64
-    _, model = _tiny()  # 4 query heads over 2 kv heads: grouped-query blocks
+    _, model = _tiny(num_kv_heads=kv_heads)
     toks = jax.random.randint(jax.random.key(5), (3, 65), 1, 20)
     toks = toks.at[:, ::9].set(0)  # packed documents
     ref_fn = jax.jit(jax.value_and_grad(lambda m: _reference_objective(m, toks, 0, z_loss_coef)))
