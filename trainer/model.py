@@ -131,9 +131,7 @@ def _materialized_transpose(a: Array) -> Array:
 def _contract_out(a: Array, w: Array) -> Array:
     """a (N, *out) with w (K, *out) over ``out`` -> (N, K): an input gradient."""
     axes = tuple(range(1, w.ndim))
-    return jax.lax.dot_general(
-        a, w, ((axes, axes), ((), ())), preferred_element_type=jnp.float32
-    )
+    return jax.lax.dot_general(a, w, ((axes, axes), ((), ())), preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
