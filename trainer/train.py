@@ -179,9 +179,9 @@ def init_state(cfg: TrainConfig, mcfg: ModelConfig, tx, mesh):
 
 def checkpoint_write_threads(configured: int) -> int | None:
     """The background checkpoint writer's thread budget: as configured, else on a CPU-only run a
-    quarter of the cores (with all of them it took 2x the CPU share from the step it overlaps
-    on the 2-core benchmark machine: 17% against 8.5% step-time overhead at a save every 5
-    steps), else TensorStore's default (accelerator hosts: the step does not run on them)."""
+    quarter of the cores (the writer competes with the step: on the 2-core benchmark VM an
+    uncapped writer made a save every 5 steps of 75m cost 17% of step time, one thread 8.5%),
+    else TensorStore's default (on accelerator hosts the step does not run on the cores)."""
     if configured:
         return configured
     if jax.default_backend() == "cpu":

@@ -30,8 +30,9 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_round_trip_is_exact(tmp_path):
-    c = ckpt.Checkpointer(str(tmp_path))
+@pytest.mark.parametrize("write_threads", [None, 1])  # TensorStore's default, or capped
+def test_round_trip_is_exact(tmp_path, write_threads):
+    c = ckpt.Checkpointer(str(tmp_path), write_threads=write_threads)
     tree = _tree()
     c.save(3, tree)
     c.wait()

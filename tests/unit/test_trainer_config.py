@@ -60,6 +60,7 @@ def test_yaml_and_json_files_and_overrides(tmp_path):
         ("model.colour=red", "model.colour"),
         ("distributed.mode=explicit", "distributed.coordinator_address"),
         ("checkpoint.keep=0", "checkpoint.keep"),
+        ("checkpoint.write_threads=-1", "checkpoint.write_threads"),
     ],
 )
 def test_invalid_values_name_the_field(override, field):
