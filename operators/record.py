@@ -17,6 +17,7 @@ otherwise mark a failed run successful.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -25,6 +26,9 @@ from airflow.sdk.exceptions import AirflowFailException
 from operators.step_lineage import StepLineageMixin
 
 _OK = ("COMPLETE", "CACHED")
+# A training task killed from the UI is closed by the listener at once, but its trainer is
+# still checkpointing on SIGTERM; the task records where training can resume when it ends.
+KILLED_TRAIN_GRACE_S = 120.0
 
 
 def _task_states(context: Any) -> dict[str, str]:
@@ -55,6 +59,30 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             )
         return summary
 
+    @staticmethod
+    def _train_still_ending(ex: Any) -> bool:
+        return (
+            ex is not None
+            and ex.properties.get("closed_by") == "listener"
+            and "resumable" not in ex.properties
+        )
+
+    def _wait_for_train_ending(self, store: Any, run_id: str, ex: Any) -> Any:
+        """Wait (bounded) for a killed training task to record its checkpoint, so that the
+        summary's "training resumes from" is the checkpoint its trainer saved on SIGTERM."""
+        self.log.info("train was killed; waiting for it to record its last checkpoint")
+        deadline = time.monotonic() + KILLED_TRAIN_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(2.0)
+            for node in store.run_graph(run_id).steps:
+                if node.execution.id == ex.id:
+                    ex = node.execution
+            if not self._train_still_ending(ex):
+                break
+        else:
+            self.log.warning("train did not record its ending within %.0f s", KILLED_TRAIN_GRACE_S)
+        return ex
+
     def summarize(self, context: Any) -> dict[str, Any]:
         from operators.graph import build_graph
         from operators.lineage import ExecutionState
@@ -75,6 +103,8 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             latest = {}
             for ex in executions:  # start order: the last attempt of each step wins
                 latest[ex.name] = ex
+            if self._train_still_ending(latest.get("train")):
+                latest["train"] = self._wait_for_train_ending(store, run_id, latest["train"])
             try:
                 steps = build_graph(params).all_steps()
             except Exception as exc:  # corpora missing: fetch failed
