@@ -2,20 +2,23 @@
 against the matmul peak measured in the same process with ``jnp.dot``; data-loader and
 asynchronous-checkpoint step-time overheads; save/restore time; peak host memory.
 
-Run: ``python tests/bench/bench_trainer.py [--steps N] [--json OUT]`` or
+Run: ``python tests/bench/bench_trainer.py [--compute-steps N] [--json OUT]`` or
 ``pytest -m bench tests/bench/bench_trainer.py``. Results: ``docs/benchmarks.md`` (trainer).
 
 Every figure is paired with a reference measured right next to it, because the machine this
 runs on is shared (other jobs take cores for seconds at a time): each timed step is preceded by
 its own ``jnp.dot`` peak sample, and MFU is the median over steps of (achieved FLOP/s / that
 step's peak); loader and checkpoint overheads compare alternating steps / blocks of steps rather
-than two phases minutes apart.
+than two phases minutes apart. Checkpoint overhead is also reported as its cause, the writer's
+CPU seconds per save, which the machine's noise does not blur the way it blurs block times.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -75,6 +78,26 @@ class Peak:
         return flops
 
 
+def _writer_cpu_s() -> float:
+    """CPU seconds used so far by the checkpoint writer: our ``checkpoint`` thread and
+    TensorStore's pool workers (Linux /proc; the loader's reads share those workers, but the
+    checkpoint phase compares blocks that both read). On a CPU-only run every writer CPU second
+    is taken from the step's cores, so this is the overhead's cause, measured without the
+    step-time noise of a shared machine."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(f"{task}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:  # the thread ended
+            continue
+        if name.split("(", 1)[1].startswith(("checkpoint", "ts_pool_worker")):
+            fields = rest.split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
 def _step(step, state, batch):
     t = time.perf_counter()
     state, m = step(state, batch)
@@ -82,7 +105,9 @@ def _step(step, state, batch):
     return state, time.perf_counter() - t
 
 
-def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, peak: Peak) -> dict:
+def bench_preset(
+    preset: str, store: str, out: str, steps: int, rounds: int, peak: Peak, compute_steps: int
+) -> dict:
     cfg = load_config(
         None,
         [
@@ -111,7 +136,7 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
     # 1. compute: one fixed device batch; each step right after its own peak sample, taken
     # over as long as the previous step lasted
     t_fixed, mfu, peaks, faults = [], [], [], 0
-    for _ in range(steps):
+    for _ in range(compute_steps):
         p = peak.sample(seconds=dt)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         state, dt = _step(step, state, fixed)
@@ -137,10 +162,11 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
     # background while the block's steps run); overhead = median over pairs of the ratio
     # the writer's thread budget the trainer uses (a quarter of the cores on a CPU-only run)
     c = ckpt.Checkpointer(f"{out}/ckpt-async", keep=1, write_threads=checkpoint_write_threads(0))
-    plain, saving, copy_s, wait_s = [], [], [], []
+    plain, saving, copy_s, wait_s, writer_cpu = [], [], [], [], []
     n = 1000
     for _ in range(rounds):
         for with_save in (False, True):
+            cpu0 = _writer_cpu_s()
             t0 = time.perf_counter()
             if with_save:
                 c.save(n, state)
@@ -153,9 +179,13 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
             # counts as overhead, and the next plain block never overlaps a write
             c.wait()
             (saving if with_save else plain).append(time.perf_counter() - t0)
+            writer_cpu.append((_writer_cpu_s() - cpu0, with_save))
     background_write_s = c.last_save_s
     c.close()
     plain_a, saving_a = np.asarray(plain), np.asarray(saving)
+    # the writer's CPU per save, net of the pool's CPU in plain blocks (the loader's reads)
+    cpu_save = np.median([c_ for c_, w in writer_cpu if w])
+    cpu_plain = np.median([c_ for c_, w in writer_cpu if not w])
 
     # 4. save and restore, synchronously
     c2 = ckpt.Checkpointer(f"{out}/ckpt-sync", async_save=False)
@@ -187,7 +217,10 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
         "mfu_best_step": flops_per_step / float(np.min(t_fixed_a)) / max(peaks),
         "mfu_steps": [float(x) for x in mfu],
         "matmul_peak_gflops_median": float(np.median(peaks)) / 1e9,
-        "page_faults_per_step": faults / steps,
+        # spread of the per-step ratios: this machine is shared, and the median of a few
+        # dozen steps moves by a few points from run to run
+        "mfu_p25_p75": [float(np.percentile(mfu, 25)), float(np.percentile(mfu, 75))],
+        "page_faults_per_step": faults / compute_steps,
         "loader_overhead": float(np.median(a_loader) / np.median(a_fixed) - 1),
         "loader_wait_s_per_step": loader_wait,
         "async_ckpt_overhead": float(np.median(saving_a / plain_a) - 1),
@@ -195,13 +228,15 @@ def bench_preset(preset: str, store: str, out: str, steps: int, rounds: int, pea
         "ckpt_host_copy_s": float(np.median(copy_s)),
         "ckpt_wait_s": float(np.median(wait_s)),
         "ckpt_background_write_s": background_write_s,
+        "ckpt_writer_cpu_s_per_save": float(cpu_save - cpu_plain),
+        "ckpt_writer_cpu_share": float((cpu_save - cpu_plain) / np.median(saving_a)),
         "state_mib": state_bytes / 2**20,
         "save_s": save_s,
         "restore_s": restore_s,
     }
 
 
-def run(steps: int = 10, rounds: int = 6) -> dict:
+def run(steps: int = 10, rounds: int = 6, compute_steps: int = 30) -> dict:
     # what `python -m trainer.train` does first on a CPU-only machine (trainer/hostmem.py)
     warm = hostmem.keep_step_memory_warm()
     peak = Peak()
@@ -209,7 +244,10 @@ def run(steps: int = 10, rounds: int = 6) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         store = f"{tmp}/store"
         write_random_store(store, vocab_size=VOCAB, num_docs=3000)
-        rows = [bench_preset(p, store, f"{tmp}/{p}", steps, rounds, peak) for p in ("30m", "75m")]
+        rows = [
+            bench_preset(p, store, f"{tmp}/{p}", steps, rounds, peak, compute_steps)
+            for p in ("30m", "75m")
+        ]
     return {
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
@@ -232,20 +270,23 @@ def table(r: dict) -> str:
         f"peak RSS {r['peak_rss_mib']:.0f} MiB; vocab {r['vocab']}, seq {r['seq_len']}, "
         f"batch {r['batch']}; malloc kept warm (trainer/hostmem.py): {r['malloc_kept_warm']}",
         "",
-        "| preset | params | FLOPs/token | tokens/s | MFU (median step) "
+        "| preset | params | FLOPs/token | tokens/s | MFU (median step, p25-p75) "
         "| MFU (best step / best peak) | page faults / step "
         f"| loader overhead (paired steps) / wait per step | async ckpt overhead (save every {r['save_every']}) "
-        "| per save: extra s / host copy s | state MiB | save s | restore s | compile s |",
+        "| per save: extra s / host copy s / writer CPU s | state MiB | save s | restore s "
+        "| compile s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in r["presets"]:
         lines.append(
             f"| {p['preset']} | {p['params'] / 1e6:.2f}M | {p['flops_per_token'] / 1e6:.1f}M | "
-            f"{p['tokens_per_s']:.0f} | {100 * p['mfu_vs_matmul_peak']:.1f}% | "
+            f"{p['tokens_per_s']:.0f} | {100 * p['mfu_vs_matmul_peak']:.1f}% "
+            f"({100 * p['mfu_p25_p75'][0]:.0f}-{100 * p['mfu_p25_p75'][1]:.0f}%) | "
             f"{100 * p['mfu_best_step']:.1f}% | {p['page_faults_per_step']:.0f} | "
             f"{100 * p['loader_overhead']:.1f}% / {1e3 * p['loader_wait_s_per_step']:.1f} ms | "
             f"{100 * p['async_ckpt_overhead']:.1f}% | "
-            f"{p['async_ckpt_extra_s_per_save']:.3f} / {p['ckpt_host_copy_s']:.3f} | "
+            f"{p['async_ckpt_extra_s_per_save']:.3f} / {p['ckpt_host_copy_s']:.3f} / "
+            f"{p['ckpt_writer_cpu_s_per_save']:.2f} | "
             f"{p['state_mib']:.1f} | {p['save_s']:.2f} | {p['restore_s']:.2f} | "
             f"{p['compile_s']:.1f} |"
         )
@@ -261,11 +302,14 @@ def test_bench_trainer():
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per phase")
+    parser.add_argument("--steps", type=int, default=10, help="paired steps, loader phase")
+    parser.add_argument(
+        "--compute-steps", type=int, default=30, help="timed steps for tokens/s and MFU"
+    )
     parser.add_argument("--rounds", type=int, default=6, help="checkpoint block pairs")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    res = run(args.steps, args.rounds)
+    res = run(args.steps, args.rounds, args.compute_steps)
     print(table(res))
     if args.json:
         with open(args.json, "w") as f:
