@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/
 DATA ?= data
 OUT ?= out
 
-.PHONY: install lock corpora demo demo-data airflow test lint format bench clean
+.PHONY: install lock corpora demo demo-data airflow test lint format bench bench-pytorch clean
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -88,5 +88,19 @@ format: install
 bench: install
 	@for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# The PyTorch reference the trainer's MFU target is set against (tests/bench/reference_pytorch.py).
+# PyTorch is no dependency of Slipway: it goes into its own venv, which sees .venv's packages
+# through a .pth file. The CPU build of torch (on PyPI for Linux x86_64 the default wheel is a
+# multi-GB CUDA build, which also runs on the CPU).
+TORCH_VENV := .venv-pytorch
+TORCH_VERSION ?= 2.13.0
+bench-pytorch: install
+	@test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	@# addsitedir, not a bare path: .venv's own .pth files (the editable install) must run too
+	@$(TORCH_VENV)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/slipway-venv.pth', 'w').write('import site; site.addsitedir(%r)\\n' % sys.argv[1])" \
+		"$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
+	$(TORCH_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(TORCH_VENV)/bin/python tests/bench/reference_pytorch.py
+
 clean:
-	rm -rf $(OUT) .pytest_cache .ruff_cache
+	rm -rf $(OUT) .pytest_cache .ruff_cache $(TORCH_VENV)

@@ -62,13 +62,17 @@ class Peak:
         self.f(self.a, self.b).block_until_ready()
         self.samples: list[float] = []
 
+    def _products(self) -> None:
+        for _ in range(self.batch):
+            out = self.f(self.a, self.b)
+        out.block_until_ready()
+
     def sample(self, seconds: float = 0.2) -> float:
-        calls = 0
-        t = time.perf_counter()
+        # dispatched `batch` at a time, then waited for: asynchronous dispatch keeps the cores
+        # busy between products
+        calls, t = 0, time.perf_counter()
         while True:
-            for _ in range(self.batch):
-                out = self.f(self.a, self.b)
-            out.block_until_ready()
+            self._products()
             calls += self.batch
             elapsed = time.perf_counter() - t
             if elapsed >= seconds:
@@ -105,10 +109,9 @@ def _step(step, state, batch):
     return state, time.perf_counter() - t
 
 
-def bench_preset(
-    preset: str, store: str, out: str, steps: int, rounds: int, peak: Peak, compute_steps: int
-) -> dict:
-    cfg = load_config(
+def preset_config(preset: str, store: str, out: str):
+    """The benchmark's training config for one preset (shared with reference_pytorch.py)."""
+    return load_config(
         None,
         [
             f"output_dir={out}",
@@ -121,7 +124,12 @@ def bench_preset(
             "optimizer.warmup_steps=10",
         ],
     )
-    run = setup(cfg)
+
+
+def bench_preset(
+    preset: str, store: str, out: str, steps: int, rounds: int, peak: Peak, compute_steps: int
+) -> dict:
+    run = setup(preset_config(preset, store, out))
     feeder = BatchFeeder(run.loader, run.mesh, SEQ, BATCH)
     fixed = feeder.get(0)
     state = run.state

@@ -1,0 +1,244 @@
+"""PyTorch reference for the trainer's MFU target: our JAX step and a PyTorch step of the same
+model, timed in one process, alternating, each against the matmul peak of its own framework
+sampled right before it.
+
+The trainer issue sets its MFU target (55% of the ``jnp.dot`` peak) on the claim that a
+well-tuned PyTorch model of similar size reaches about two thirds of "it" on this machine. This
+checks the claim on the machine at hand: the same Llama-style decoder (RMSNorm, rotary, SwiGLU,
+causal attention, untied head, cross-entropy, AdamW) at the 30m / 75m preset shapes, batch and
+context of ``bench_trainer.py``, in PyTorch eager and ``torch.compile`` (inductor, fused AdamW),
+with the FLOPs counted by ``trainer.model.flops_per_token``. Each round samples the ``jnp.dot``
+peak, runs our step, samples the ``torch.mm`` peak, runs each PyTorch step. Reported: tokens/s,
+MFU against both peaks, and the ratio of the two frameworks' tokens/s.
+
+The PyTorch model is the generous side of the comparison: plain causal attention
+(``scaled_dot_product_attention(is_causal=True)``, no document masking) and the logits
+materialized once (no chunking).
+
+Needs PyTorch beside the project's environment: ``make bench-pytorch`` (``.venv-pytorch``: the
+project's ``.venv`` plus ``torch``). Not part of ``make bench``: PyTorch is no dependency of
+Slipway. Results: ``docs/benchmarks.md`` (trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# PyTorch's OpenMP workers otherwise spin after each PyTorch op and take a core from the JAX
+# step that follows (and vice versa for XLA's pool); must be set before torch is imported
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import jax
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_trainer import BATCH, SEQ, VOCAB, Peak, preset_config
+
+from trainer import hostmem
+from trainer.model import flops_per_token, param_count
+from trainer.testing import write_random_store
+from trainer.train import BatchFeeder, setup
+
+
+class TorchPeak(Peak):
+    """``Peak`` for ``torch.mm``: sustained float32 FLOP/s of a 1024 x 1024 product."""
+
+    def __init__(self, n: int = 1024, batch: int = 5) -> None:
+        self.n, self.batch = n, batch
+        g = torch.Generator().manual_seed(0)
+        self.ta, self.tb = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+        self.samples: list[float] = []
+
+    def _products(self) -> None:
+        for _ in range(self.batch):
+            torch.mm(self.ta, self.tb)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama layout: pairs (i, i + hd/2). x (B, H, S, hd); cos, sin (S, hd/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, f: int, heads: int, kv_heads: int, hd: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, hd
+        self.attn_norm, self.mlp_norm = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.qkv = nn.Linear(d, (heads + 2 * kv_heads) * hd, bias=False)
+        self.out = nn.Linear(heads * hd, d, bias=False)
+        self.gate_up = nn.Linear(d, 2 * f, bias=False)
+        self.down = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(b, s, self.heads + 2 * self.kv_heads, self.hd)
+        q, k, v = qkv.transpose(1, 2).split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads
+        )
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, -1))
+        g, u = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class Llama(nn.Module):
+    def __init__(self, mcfg, seq: int) -> None:
+        super().__init__()
+        d, hd = mcfg.hidden_dim, mcfg.head_dim
+        self.embed = nn.Embedding(mcfg.vocab_size, d)
+        self.blocks = nn.ModuleList(
+            Block(d, mcfg.intermediate_dim, mcfg.num_heads, mcfg.num_kv_heads, hd, mcfg.norm_eps)
+            for _ in range(mcfg.num_layers)
+        )
+        self.norm = RMSNorm(d, mcfg.norm_eps)
+        self.head = nn.Linear(d, mcfg.vocab_size, bias=False)
+        inv = 1.0 / mcfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
+        ang = torch.arange(seq).float()[:, None] * inv[None]
+        self.register_buffer("cos", ang.cos())
+        self.register_buffer("sin", ang.sin())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def torch_step(mcfg, compiled: bool):
+    torch.manual_seed(0)
+    model = Llama(mcfg, SEQ)
+    n = sum(p.numel() for p in model.parameters())
+    # same shapes as ours, or the shared FLOPs count would flatter one side
+    assert n == param_count(mcfg), f"PyTorch model has {n:,} parameters, ours {param_count(mcfg):,}"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = model(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return torch.compile(step) if compiled else step
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_preset(preset: str, store: str, out: str, rounds: int) -> dict:
+    run = setup(preset_config(preset, store, out))
+    feeder = BatchFeeder(run.loader, run.mesh, SEQ, BATCH)
+    batch = feeder.get(0)
+    host = torch.from_numpy(np.asarray(batch).astype(np.int64))
+    tokens, targets = host[:, :-1].contiguous(), host[:, 1:].contiguous()
+    jax_step = run.step_fn.lower(run.state, batch).compile()
+    box = [run.state]
+
+    def ours() -> None:
+        box[0], m = jax_step(box[0], batch)
+        jax.block_until_ready(m)
+
+    steps = {"jax (ours)": ours}
+    for name, compiled in (("pytorch eager", False), ("pytorch compiled", True)):
+        fn = torch_step(run.mcfg, compiled)
+        steps[name] = lambda fn=fn: fn(tokens, targets)
+    for fn in steps.values():  # compile and warm up
+        for _ in range(3):
+            fn()
+
+    jpeak, tpeak = Peak(), TorchPeak()
+    flops = BATCH * SEQ * flops_per_token(run.mcfg, SEQ)
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    vs_jax: dict[str, list[float]] = {n: [] for n in steps}
+    vs_torch: dict[str, list[float]] = {n: [] for n in steps}
+    dt = 0.3
+    for _ in range(rounds):
+        jp = jpeak.sample(dt)
+        tp = tpeak.sample(dt)
+        for name, fn in steps.items():
+            dt = _timed(fn)
+            times[name].append(dt)
+            vs_jax[name].append(flops / dt / jp)
+            vs_torch[name].append(flops / dt / tp)
+    feeder.close()
+    ours_t = statistics.median(times["jax (ours)"])
+    return {
+        "preset": preset,
+        "flops_per_token": flops / (BATCH * SEQ),
+        "jnp_dot_peak_gflops": float(np.median(jpeak.samples)) / 1e9,
+        "torch_mm_peak_gflops": float(np.median(tpeak.samples)) / 1e9,
+        "steps": {
+            name: {
+                "tokens_per_s": BATCH * SEQ / statistics.median(ts),
+                "mfu_vs_jnp_dot": statistics.median(vs_jax[name]),
+                "mfu_vs_torch_mm": statistics.median(vs_torch[name]),
+                "speed_vs_ours": ours_t / statistics.median(ts),
+            }
+            for name, ts in times.items()
+        },
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| preset | step | tokens/s | MFU vs jnp.dot peak | MFU vs torch.mm peak "
+        "| speed vs ours | peaks jnp.dot / torch.mm GFLOP/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name, s in r["steps"].items():
+            lines.append(
+                f"| {r['preset']} | {name} | {s['tokens_per_s']:,.0f} | "
+                f"{100 * s['mfu_vs_jnp_dot']:.1f}% | {100 * s['mfu_vs_torch_mm']:.1f}% | "
+                f"{s['speed_vs_ours']:.2f}x | {r['jnp_dot_peak_gflops']:.0f} / "
+                f"{r['torch_mm_peak_gflops']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15, help="timed steps of each kind")
+    parser.add_argument("--presets", default="30m,75m")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    hostmem.keep_step_memory_warm()  # as the trainer and bench_trainer.py do on a CPU
+    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), jax {jax.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"{tmp}/store"
+        write_random_store(store, vocab_size=VOCAB, num_docs=3000)
+        rows = [bench_preset(p, store, f"{tmp}/{p}", args.rounds) for p in args.presets.split(",")]
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
