@@ -1,6 +1,6 @@
-"""PyTorch reference for the trainer's MFU target: our JAX step and a PyTorch step of the same
-model, timed in one process, alternating, each against the matmul peak of its own framework
-sampled right before it.
+"""PyTorch reference for the trainer's MFU target: our JAX step and PyTorch steps of the same
+model, timed in one process, alternating, each against both frameworks' matmul peaks sampled
+right before it.
 
 The trainer issue sets its MFU target (55% of the ``jnp.dot`` peak) on the claim that a
 well-tuned PyTorch model of similar size reaches about two thirds of "it" on this machine. This
