@@ -90,8 +90,8 @@ bench: install
 
 # The PyTorch reference the trainer's MFU target is set against (tests/bench/reference_pytorch.py).
 # PyTorch is no dependency of Slipway: it goes into its own venv, which sees .venv's packages
-# through a .pth file. The CPU build of torch (on PyPI for Linux x86_64 the default wheel is a
-# multi-GB CUDA build, which also runs on the CPU).
+# through a .pth file. On the dev VMs pip takes a local CPU build of torch; from PyPI on Linux
+# x86_64 the default wheel is a multi-GB CUDA build, which also runs on the CPU.
 TORCH_VENV := .venv-pytorch
 TORCH_VERSION ?= 2.13.0
 bench-pytorch: install

@@ -48,28 +48,21 @@ SAVE_EVERY = 10  # steps per block in the checkpoint-overhead phase: a save ever
 # (a stress setting: Levanter's CheckpointerConfig saves a temporary checkpoint every 15 minutes)
 
 
-class Peak:
-    """Sustained float32 FLOP/s of a jitted 1024 x 1024 ``jnp.dot``, called back to back for
-    (at least) a given time. Sampled for as long as the step it is compared with: a short
-    sample is more often entirely inside, or entirely outside, another job's burst than a
-    long step is, which makes per-step ratios swing both ways."""
+class MatmulPeak:
+    """Sustained float32 FLOP/s of an n x n matmul, called back to back for (at least) a given
+    time; subclasses say how one batch of products is run. Sampled for as long as the step it
+    is compared with: a short sample is more often entirely inside, or entirely outside,
+    another job's burst than a long step is, which makes per-step ratios swing both ways."""
 
     def __init__(self, n: int = 1024, batch: int = 5) -> None:
         self.n, self.batch = n, batch
-        self.a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-        self.b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-        self.f = jax.jit(lambda a, b: a @ b)
-        self.f(self.a, self.b).block_until_ready()
         self.samples: list[float] = []
 
     def _products(self) -> None:
-        for _ in range(self.batch):
-            out = self.f(self.a, self.b)
-        out.block_until_ready()
+        """Run ``batch`` products and wait for them."""
+        raise NotImplementedError
 
     def sample(self, seconds: float = 0.2) -> float:
-        # dispatched `batch` at a time, then waited for: asynchronous dispatch keeps the cores
-        # busy between products
         calls, t = 0, time.perf_counter()
         while True:
             self._products()
@@ -80,6 +73,24 @@ class Peak:
         flops = 2 * self.n**3 * calls / elapsed
         self.samples.append(flops)
         return flops
+
+
+class Peak(MatmulPeak):
+    """The ``jnp.dot`` peak: a jitted 1024 x 1024 float32 product."""
+
+    def __init__(self, n: int = 1024, batch: int = 5) -> None:
+        super().__init__(n, batch)
+        self.a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        self.b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+        self.f = jax.jit(lambda a, b: a @ b)
+        self.f(self.a, self.b).block_until_ready()
+
+    def _products(self) -> None:
+        # dispatched `batch` at a time, then waited for: asynchronous dispatch keeps the cores
+        # busy between products
+        for _ in range(self.batch):
+            out = self.f(self.a, self.b)
+        out.block_until_ready()
 
 
 def _writer_cpu_s() -> float:

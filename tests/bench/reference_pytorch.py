@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 # PyTorch's OpenMP workers otherwise spin after each PyTorch op and take a core from the JAX
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import BATCH, SEQ, VOCAB, Peak, preset_config
+from bench_trainer import BATCH, SEQ, VOCAB, MatmulPeak, Peak, preset_config
 
 from trainer import hostmem
 from trainer.model import flops_per_token, param_count
@@ -48,18 +49,17 @@ from trainer.testing import write_random_store
 from trainer.train import BatchFeeder, setup
 
 
-class TorchPeak(Peak):
-    """``Peak`` for ``torch.mm``: sustained float32 FLOP/s of a 1024 x 1024 product."""
+class TorchPeak(MatmulPeak):
+    """The ``torch.mm`` peak: a 1024 x 1024 float32 product (synchronous)."""
 
     def __init__(self, n: int = 1024, batch: int = 5) -> None:
-        self.n, self.batch = n, batch
+        super().__init__(n, batch)
         g = torch.Generator().manual_seed(0)
-        self.ta, self.tb = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-        self.samples: list[float] = []
+        self.a, self.b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
 
     def _products(self) -> None:
         for _ in range(self.batch):
-            torch.mm(self.ta, self.tb)
+            torch.mm(self.a, self.b)
 
 
 class RMSNorm(nn.Module):
@@ -227,8 +227,6 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    import tempfile
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15, help="timed steps of each kind")
     parser.add_argument("--presets", default="30m,75m")
