@@ -58,6 +58,10 @@ class ModelConfig:
     init_std: float = 0.02
     moe: MoEConfig | None = None
     remat: bool = False  # rematerialize each layer in the backward pass (memory for compute)
+    # how the layer stack runs: "scan" (lax.scan: compile time constant in depth), "unroll" (one
+    # copy of the layer per layer: faster steps on XLA:CPU), "auto" = unroll on the CPU backend,
+    # scan on accelerators
+    layer_loop: Literal["auto", "scan", "unroll"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,12 @@ from trainer import checkpoint as ckpt
 from trainer import distributed as dist
 from trainer import hostmem
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
-from trainer.model import Transformer, loss_chunk, segments_and_positions, token_nll
+from trainer.model import Batch, Transformer, document_batch, loss_chunk, token_nll
 
 
-def _eval_step(params: Transformer, tokens, weights, *, eos_id: int, dtype, chunk: int):
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    segments, positions = segments_and_positions(inputs, eos_id)
-    x, _ = params.hidden(inputs, segments, positions, None, dtype)
+def _eval_step(params: Transformer, batch: Batch, weights, *, dtype, chunk: int):
+    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    x, _ = params.hidden(inputs, batch.segments, batch.positions, None, dtype)
     nll = token_nll(x, params.head(), targets, chunk)  # never the whole (B, S, V) logits
     return jnp.sum(nll * weights[:, None]), jnp.sum(weights) * targets.shape[1]
 
@@ -82,8 +81,11 @@ def evaluate_store(
     weight_sharding = dist.NamedSharding(mesh, dist.PartitionSpec(dist.BATCH_AXES))
     chunk = loss_chunk(seq_len, batch_size // dist.data_parallel_size(mesh), store.vocab_size)
     step = jax.jit(
-        lambda p, t, w: _eval_step(p, t, w, eos_id=store.eos_id, dtype=dtype, chunk=chunk),
+        lambda p, b, w: _eval_step(p, b, w, dtype=dtype, chunk=chunk),
         in_shardings=(shardings, row_sharding, weight_sharding),
+    )
+    documents = jax.jit(  # its own computation: see document_batch
+        lambda t: document_batch(t, store.eos_id), out_shardings=row_sharding
     )
 
     def global_array(x: np.ndarray, sharding):
@@ -101,9 +103,8 @@ def evaluate_store(
             if tokenizer is not None:  # bytes of exactly the predicted (target) tokens
                 pieces = [tokenizer.id_to_piece(int(t)) for t in rows[j, 1:]]
                 decoded_bytes += sum(_piece_bytes(p) for p in pieces)
-        s, c = step(
-            params, global_array(rows, row_sharding), global_array(weights, weight_sharding)
-        )
+        batch = documents(global_array(rows, row_sharding))
+        s, c = step(params, batch, global_array(weights, weight_sharding))
         total += float(s)
         count += float(c)
     loss = total / count

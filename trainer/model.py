@@ -5,8 +5,9 @@ Conventions:
   be passed straight through ``jax.jit`` with per-leaf shardings.
 - Weights are raw arrays laid out ``(in, ..., out)`` and applied with ``einsum``; each named
   weight has logical axes in ``PARAM_AXES`` which ``trainer.sharding`` maps to mesh axes.
-- Layers are stacked along a leading axis and run with ``lax.scan``: compile time is constant in
-  depth, which matters on CPU tests as much as on 8B TPU runs.
+- Layers are stacked along a leading axis. On accelerators they run with ``lax.scan`` (compile
+  time constant in depth, which matters for 8B TPU runs); on the CPU backend one copy per
+  layer is traced instead, which XLA:CPU runs faster (``ModelConfig.layer_loop``).
 - Numerically sensitive pieces (norm statistics, softmax, router, loss) run in float32
   whatever the compute dtype.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -628,7 +631,15 @@ class Transformer(eqx.Module):
 
         if cfg.remat:
             body = jax.checkpoint(body)
-        x, stats = jax.lax.scan(body, x, (params, router_bias))
+        if unroll_layers(cfg):
+            per_layer = []
+            for i in range(cfg.num_layers):
+                layer_i = jax.tree_util.tree_map(operator.itemgetter(i), (params, router_bias))
+                x, layer_stats = body(x, layer_i)
+                per_layer.append(layer_stats)
+            stats = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_layer)
+        else:
+            x, stats = jax.lax.scan(body, x, (params, router_bias))
         return self.final_norm(x), stats
 
     def head(self) -> Array:
@@ -763,6 +774,27 @@ def fused_cross_entropy(
     return objective, jax.lax.stop_gradient(loss)
 
 
+class Batch(NamedTuple):
+    """A step's packed windows: ``tokens`` (B, S+1), whose inputs are ``tokens[:, :-1]`` and
+    targets ``tokens[:, 1:]``, with the inputs' document ids and within-document positions
+    (B, S) from ``segments_and_positions``."""
+
+    tokens: Array
+    segments: Array
+    positions: Array
+
+
+def document_batch(tokens: Array, eos_id: int) -> Batch:
+    """``Batch`` of packed windows (B, S+1).
+
+    Run as its own jitted computation, not inside the training or evaluation step: inside it,
+    XLA:CPU fuses the last pass of the segment ids' cumulative sum into every attention-mask
+    fusion of the unrolled layers, which makes the 30m step 1.5x slower. Computed outside, the
+    ids reach the step as a ready array (as MaxText's input pipeline hands over segment ids)."""
+    segments, positions = segments_and_positions(tokens[:, :-1], eos_id)
+    return Batch(tokens, segments, positions)
+
+
 def segments_and_positions(tokens: Array, eos_id: int) -> tuple[Array, Array]:
     """Document ids and within-document positions of a packed window (B, S).
 
@@ -776,6 +808,19 @@ def segments_and_positions(tokens: Array, eos_id: int) -> tuple[Array, Array]:
     starts = jnp.concatenate([jnp.ones_like(is_eos[:, :1]), is_eos[:, :-1]], axis=1)
     doc_start = jax.lax.cummax(jnp.where(starts > 0, idx, 0), axis=1)
     return segments, idx - doc_start
+
+
+def unroll_layers(cfg: ModelConfig) -> bool:
+    """Whether ``Transformer.hidden`` traces one copy of the layer per layer instead of a scan.
+
+    On XLA:CPU the scan costs ~10% of a 30m/75m step: its stacked per-layer residuals are
+    zero-filled and copied in and out every step, and no layer's work overlaps another's.
+    Unrolled, the 30m step is 1.1x faster, the 75m 1.04x, with bit-identical results. On
+    accelerators the scan stays the default, as in MaxText and Levanter: a 32-layer model
+    compiles several times faster. Decided at trace time, when the backend is known."""
+    if cfg.layer_loop == "auto":
+        return jax.default_backend() == "cpu"
+    return cfg.layer_loop == "unroll"
 
 
 @eqx.filter_jit

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -44,7 +45,7 @@ from trainer.config import (
     to_dict,
 )
 from trainer.data import MixtureLoader
-from trainer.model import Transformer, flops_per_token, param_count, segments_and_positions
+from trainer.model import Batch, Transformer, document_batch, flops_per_token, param_count
 from trainer.optim import make_optimizer, schedule
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_RESTART = 0, 1, 2, 42
@@ -67,19 +68,17 @@ class TrainState(eqx.Module):
 def loss_and_stats(
     params: Transformer,
     router_bias: Array,
-    tokens: Array,
+    batch: Batch,
     *,
-    eos_id: int,
     z_loss_coef: float,
     dtype: Any,
     loss_chunk: int = 0,
 ) -> tuple[Array, dict[str, Array]]:
-    """Mean next-token cross-entropy of a packed window batch (B, S+1), plus z-loss and the MoE
+    """Mean next-token cross-entropy of a batch of packed windows, plus z-loss and the MoE
     auxiliary loss when configured. Returns (objective, stats). ``loss_chunk``: positions per
     chunk of the fused output projection + loss (0: sized for one device holding the batch)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    segments, positions = segments_and_positions(inputs, eos_id)
-    x, moe = params.hidden(inputs, segments, positions, router_bias, dtype)
+    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    x, moe = params.hidden(inputs, batch.segments, batch.positions, router_bias, dtype)
     b, s = inputs.shape
     chunk = loss_chunk or model_lib.loss_chunk(s, b, params.cfg.vocab_size)
     objective, loss = model_lib.fused_cross_entropy(
@@ -101,20 +100,20 @@ def loss_and_stats(
     return objective, stats
 
 
-def make_train_step(cfg: TrainConfig, mcfg: ModelConfig, tx, eos_id: int, data_parallel: int = 1):
-    """The jit-able step (state, tokens) -> (state, metrics). ``data_parallel``: how many ways
-    the batch is split, which sizes the per-device chunks of the fused loss."""
+def make_train_step(cfg: TrainConfig, mcfg: ModelConfig, tx, data_parallel: int = 1):
+    """The jit-able step (state, batch) -> (state, metrics); ``batch`` is a
+    ``model.document_batch``. ``data_parallel``: how many ways the batch is split, which sizes
+    the per-device chunks of the fused loss."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
     lr_fn = schedule(cfg.optimizer, cfg.steps)
     chunk = model_lib.loss_chunk(cfg.seq_len, cfg.batch_size // data_parallel, mcfg.vocab_size)
 
-    def step_fn(state: TrainState, tokens: Array) -> tuple[TrainState, dict[str, Array]]:
+    def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Array]]:
         def objective(p):
             return loss_and_stats(
                 p,
                 state.router_bias,
-                tokens,
-                eos_id=eos_id,
+                batch,
                 z_loss_coef=cfg.optimizer.z_loss_coef,
                 dtype=dtype,
                 loss_chunk=chunk,
@@ -225,7 +224,7 @@ def setup(cfg: TrainConfig) -> Run:
             state = checkpointer.restore(latest, target)
             start = latest
     step_fn = jax.jit(
-        make_train_step(cfg, mcfg, tx, loader.eos_id, dp),
+        make_train_step(cfg, mcfg, tx, dp),
         in_shardings=(shardings, dist.batch_sharding(mesh)),
         out_shardings=(shardings, dist.replicated(mesh)),
         donate_argnums=0,
@@ -234,7 +233,8 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 class BatchFeeder:
-    """Reads this host's rows of the global batch in a background thread, one step ahead."""
+    """Reads this host's rows of the global batch in a background thread, one step ahead, and
+    hands the step a ``Batch`` (document ids computed on the devices, see ``document_batch``)."""
 
     def __init__(self, loader: MixtureLoader, mesh, seq_len: int, batch_size: int) -> None:
         self.loader = loader
@@ -249,11 +249,15 @@ class BatchFeeder:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
         self._next: tuple[int, Any] | None = None
         self.wait_s = 0.0  # time the training thread waited for data
+        self._documents = jax.jit(
+            functools.partial(document_batch, eos_id=loader.eos_id),
+            out_shardings=self.sharding,
+        )
 
     def _host(self, step: int) -> np.ndarray:
         return self.loader.rows(step, self.rows)
 
-    def get(self, step: int) -> Array:
+    def get(self, step: int) -> Batch:
         t0 = time.perf_counter()
         if self._next is not None and self._next[0] == step:
             host = self._next[1].result()
@@ -266,7 +270,7 @@ class BatchFeeder:
             rows = range(*index[0].indices(self.shape[0]))
             return host[[self.row_pos[r] for r in rows]][:, index[1]]
 
-        return jax.make_array_from_callback(self.shape, self.sharding, cb)
+        return self._documents(jax.make_array_from_callback(self.shape, self.sharding, cb))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -153,7 +153,7 @@ def bench_preset(preset: str, store: str, out: str, rounds: int) -> dict:
     run = setup(preset_config(preset, store, out))
     feeder = BatchFeeder(run.loader, run.mesh, SEQ, BATCH)
     batch = feeder.get(0)
-    host = torch.from_numpy(np.asarray(batch).astype(np.int64))
+    host = torch.from_numpy(np.asarray(batch.tokens).astype(np.int64))
     tokens, targets = host[:, :-1].contiguous(), host[:, 1:].contiguous()
     jax_step = run.step_fn.lower(run.state, batch).compile()
     box = [run.state]

@@ -16,6 +16,7 @@ from trainer.model import (
     PRESETS,
     Transformer,
     active_matmul_params,
+    document_batch,
     flops_per_token,
     init_model,
     param_count,
@@ -198,8 +199,7 @@ def test_custom_gradients_match_plain_autodiff(monkeypatch, z_loss_coef, kv_head
                     lambda m, c=chunk: loss_and_stats(
                         m,
                         jnp.zeros((2, 0)),
-                        toks,
-                        eos_id=0,
+                        document_batch(toks, 0),
                         z_loss_coef=z_loss_coef,
                         dtype=jnp.float32,
                         loss_chunk=c,
@@ -222,6 +222,48 @@ def test_custom_gradients_match_plain_autodiff(monkeypatch, z_loss_coef, kv_head
                 np.testing.assert_allclose(
                     g, r, atol=2e-5 * scale, err_msg=f"{jax.tree_util.keystr(path[0])} c={chunk}"
                 )
+
+
+@pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)])
+def test_scanned_and_unrolled_layers_agree(moe):
+    from trainer.model import unroll_layers
+    from trainer.train import loss_and_stats
+
+    toks = jax.random.randint(jax.random.key(5), (3, 33), 1, 20).at[:, ::7].set(0)
+    batch = document_batch(toks, 0)
+    seg, pos = segments_and_positions(toks[:, :-1], 0)  # the batch carries the inputs' ids
+    assert np.array_equal(batch.segments, seg) and np.array_equal(batch.positions, pos)
+    results = {}
+    for loop in ("scan", "unroll"):
+        cfg, model = _tiny(moe=moe, layer_loop=loop)
+        assert unroll_layers(cfg) == (loop == "unroll")
+        bias = jnp.linspace(-0.1, 0.1, 2 * (moe.num_experts if moe else 0)).reshape(2, -1)
+        fn = jax.jit(
+            jax.value_and_grad(
+                lambda m, b: loss_and_stats(m, b, batch, z_loss_coef=1e-3, dtype=jnp.float32),
+                has_aux=True,
+            )
+        )
+        results[loop] = fn(model, bias)
+    (obj_s, stats_s), grads_s = results["scan"]
+    (obj_u, stats_u), grads_u = results["unroll"]
+    np.testing.assert_allclose(obj_u, obj_s, rtol=1e-6)
+    assert stats_u.keys() == stats_s.keys()
+    for k in stats_s:  # MoE stats are stacked per layer either way
+        np.testing.assert_allclose(stats_u[k], stats_s[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    leaves_u, leaves_s = jax.tree_util.tree_leaves(grads_u), jax.tree_util.tree_leaves(grads_s)
+    for g_u, g_s in zip(leaves_u, leaves_s, strict=True):
+        np.testing.assert_allclose(g_u, g_s, rtol=1e-5, atol=1e-7)
+
+
+def test_layer_loop_auto_unrolls_on_cpu_only(monkeypatch):
+    from trainer.model import unroll_layers
+
+    cfg, _ = _tiny()
+    assert cfg.layer_loop == "auto" and unroll_layers(cfg)  # the tests run on the CPU backend
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert not unroll_layers(cfg)
+    assert unroll_layers(dataclasses.replace(cfg, layer_loop="unroll"))
 
 
 def test_token_nll_equals_logits_cross_entropy():
