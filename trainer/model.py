@@ -813,9 +813,9 @@ def segments_and_positions(tokens: Array, eos_id: int) -> tuple[Array, Array]:
 def unroll_layers(cfg: ModelConfig) -> bool:
     """Whether ``Transformer.hidden`` traces one copy of the layer per layer instead of a scan.
 
-    On XLA:CPU the scan costs ~10% of a 30m/75m step: its stacked per-layer residuals are
-    zero-filled and copied in and out every step, and no layer's work overlaps another's.
-    Unrolled, the 30m step is 1.1x faster, the 75m 1.04x, with bit-identical results. On
+    On XLA:CPU the scan's stacked per-layer residuals are zero-filled and copied in and out
+    every step, and no layer's work overlaps another's: unrolled, the 30m step is 1.08x faster
+    and the 75m 1.04x, with bit-identical results (docs/benchmarks.md, session 6). On
     accelerators the scan stays the default, as in MaxText and Levanter: a 32-layer model
     compiles several times faster. Decided at trace time, when the backend is known."""
     if cfg.layer_loop == "auto":
