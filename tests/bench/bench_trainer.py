@@ -32,7 +32,7 @@ import pytest
 from trainer import checkpoint as ckpt
 from trainer import hostmem
 from trainer.config import load_config
-from trainer.model import flops_per_token, param_count
+from trainer.model import flops_per_token, param_count, unroll_layers
 from trainer.testing import write_random_store
 from trainer.train import BatchFeeder, checkpoint_write_threads, setup
 
@@ -228,6 +228,7 @@ def bench_preset(
         "params": param_count(run.mcfg),
         "flops_per_token": fpt,
         "compile_s": compile_s,
+        "layers_unrolled": unroll_layers(run.mcfg),  # model.layer_loop "auto": unrolled on CPU
         "step_s_median": float(np.median(t_fixed_a)),
         "step_s_min": float(np.min(t_fixed_a)),
         "tokens_per_s": BATCH * SEQ / float(np.median(t_fixed_a)),
@@ -299,7 +300,8 @@ def table(r: dict) -> str:
     ]
     for p in r["presets"]:
         lines.append(
-            f"| {p['preset']} | {p['params'] / 1e6:.2f}M | {p['flops_per_token'] / 1e6:.1f}M | "
+            f"| {p['preset']} ({'unrolled' if p['layers_unrolled'] else 'scan'}) "
+            f"| {p['params'] / 1e6:.2f}M | {p['flops_per_token'] / 1e6:.1f}M | "
             f"{p['tokens_per_s']:.0f} | {100 * p['mfu_vs_matmul_peak']:.1f}% "
             f"({100 * p['mfu_p25_p75'][0]:.0f}-{100 * p['mfu_p25_p75'][1]:.0f}%) | "
             f"{100 * p['mfu_best_step']:.1f}% | {p['page_faults_per_step']:.0f} | "
