@@ -35,7 +35,7 @@ from trainer import checkpoint as ckpt
 from trainer import distributed as dist
 from trainer import hostmem
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
-from trainer.model import Batch, Transformer, document_batch, loss_chunk, token_nll
+from trainer.model import Batch, Transformer, jit_document_batch, loss_chunk, token_nll
 
 
 def _eval_step(params: Transformer, batch: Batch, weights, *, dtype, chunk: int):
@@ -84,9 +84,7 @@ def evaluate_store(
         lambda p, b, w: _eval_step(p, b, w, dtype=dtype, chunk=chunk),
         in_shardings=(shardings, row_sharding, weight_sharding),
     )
-    documents = jax.jit(  # its own computation: see document_batch
-        lambda t: document_batch(t, store.eos_id), out_shardings=row_sharding
-    )
+    documents = jit_document_batch(store.eos_id, row_sharding)
 
     def global_array(x: np.ndarray, sharding):
         # every host builds the same (small) eval batch and hands over its own slices

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -45,7 +44,7 @@ from trainer.config import (
     to_dict,
 )
 from trainer.data import MixtureLoader
-from trainer.model import Batch, Transformer, document_batch, flops_per_token, param_count
+from trainer.model import Batch, Transformer, flops_per_token, jit_document_batch, param_count
 from trainer.optim import make_optimizer, schedule
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_RESTART = 0, 1, 2, 42
@@ -234,7 +233,7 @@ def setup(cfg: TrainConfig) -> Run:
 
 class BatchFeeder:
     """Reads this host's rows of the global batch in a background thread, one step ahead, and
-    hands the step a ``Batch`` (document ids computed on the devices, see ``document_batch``)."""
+    hands the step a ``Batch`` (document ids computed on the devices, see ``jit_document_batch``)."""
 
     def __init__(self, loader: MixtureLoader, mesh, seq_len: int, batch_size: int) -> None:
         self.loader = loader
@@ -249,10 +248,7 @@ class BatchFeeder:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
         self._next: tuple[int, Any] | None = None
         self.wait_s = 0.0  # time the training thread waited for data
-        self._documents = jax.jit(
-            functools.partial(document_batch, eos_id=loader.eos_id),
-            out_shardings=self.sharding,
-        )
+        self._documents = jit_document_batch(loader.eos_id, self.sharding)
 
     def _host(self, step: int) -> np.ndarray:
         return self.loader.rows(step, self.rows)
