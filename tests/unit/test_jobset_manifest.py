@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import copy
 import json
-import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,8 @@ from operators.jobset.local import expand
 from operators.jobset.manifest import ManifestError, TrainingLaunch
 
 REPO = Path(__file__).resolve().parents[2]
-# The JobSet CRD (with its OpenAPI schema) is kept in shared/, beside the checkout.
-CRD = Path(
-    os.environ.get(
-        "SLIPWAY_JOBSET_CRD", REPO.parent / "shared" / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
-    )
-)
+# The JobSet CRD with its OpenAPI schema, vendored beside the renderer (its README: release).
+CRD = REPO / "operators" / "jobset" / "crd" / "jobset.x-k8s.io_jobsets.yaml"
 # Oldest minor GKE's regular channel still runs, and the newest kubernetes-validate knows.
 K8S_VERSIONS = ("1.31", kubernetes_validate.utils.latest_version())
 
