@@ -28,7 +28,7 @@ install: $(STAMP)
 # arbitrary mtimes, and an unplanned re-resolve would change what CI tests).
 lock:
 	@test -x $(UV) || ($(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet uv)
-	$(UV) pip compile --python $(PY) --extra dev --extra gcp --universal --quiet -o $@ pyproject.toml
+	$(UV) pip compile --python $(PY) --extra dev --extra gcp --universal --quiet -o requirements.lock pyproject.toml
 
 corpora: install
 	$(PY) -m pipelines.corpora.fetch --data-dir $(DATA)
