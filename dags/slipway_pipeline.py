@@ -20,6 +20,7 @@ from operators.params import pipeline_params
 from operators.record import RecordRunOperator
 from operators.split import HeldoutSplitOperator
 from operators.training import EvaluationOperator, TrainingOperator
+from operators.validate import ValidateRunOperator
 
 with DAG(
     dag_id="slipway_pipeline",
@@ -36,6 +37,7 @@ with DAG(
     tags=["slipway", "pipeline"],
     doc_md=__doc__,
 ) as dag:
+    validate = ValidateRunOperator()
     fetch = FetchCorporaOperator()
     stages = {
         name: BeamStageOperator(stage_task=name)
@@ -49,7 +51,8 @@ with DAG(
     record = RecordRunOperator()
 
     (
-        fetch
+        validate
+        >> fetch
         >> stages["ingest"]
         >> stages["quality"]
         >> stages["exact_dedup"]

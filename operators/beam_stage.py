@@ -36,6 +36,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from operators import naming
 from operators.graph import STAGE_OUT
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
 from operators.steps import StepResult, StepSpec, join
@@ -65,21 +66,7 @@ JOB_NAME_MAX = 63 - 9
 RUNNER_V2 = "use_runner_v2"
 _NO_RUNNER_V2 = ("disable_runner_v2", "disable_prime_runner_v2")
 
-_PROJECT_RE = re.compile(r"^(?:[a-z][a-z0-9.-]*[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
-_REGION_RE = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]+$")
-# gs://bucket[/path]: bucket naming rules; path characters that need no quoting anywhere.
-_GCS_RE = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](?:/[A-Za-z0-9._~=+@,/-]*)?$")
-_IMAGE_RE = re.compile(
-    # registry host (a port only before a path: "name:123" is a tag) or the first path part
-    r"^(?P<repo>[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]{1,5}(?=/))?"
-    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"  # path components (OCI rules)
-    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
-    r"(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
-)
-_SERVICE_ACCOUNT_RE = re.compile(
-    r"^[a-z0-9][a-z0-9._-]{0,62}@[a-z0-9][a-z0-9.-]*\.gserviceaccount\.com$"
-)
-_EXPERIMENT_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}(?:=[A-Za-z0-9_.:/-]{1,200})?$")
+_EXPERIMENT_RE = re.compile(r"[a-z][a-z0-9_]{0,62}(?:=[A-Za-z0-9_.:/-]{1,200})?")
 
 
 class DataflowSettingsError(ValueError):
@@ -140,26 +127,13 @@ def _unset(field: str, what: str) -> str:
     )
 
 
-def _check_image(image: Any) -> str | None:
-    if not isinstance(image, str) or not (match := _IMAGE_RE.match(image)):
-        return (
-            f"sdk_container_image {image!r} is not an image reference "
-            "(REGISTRY/PATH/NAME:TAG or @sha256:DIGEST)"
-        )
-    if not match["tag"] and not match["digest"]:
-        return f"sdk_container_image {image!r} needs a tag or digest (lineage records it)"
-    if match["tag"] == "latest" and not match["digest"]:
-        return f"sdk_container_image {image!r}: 'latest' is not reproducible; use a version tag"
-    return None
-
-
 def _check_experiments(experiments: Any) -> tuple[tuple[str, ...], list[str]]:
     if isinstance(experiments, str) or not isinstance(experiments, list | tuple):
         return (), [f"experiments must be a list of names, got {experiments!r}"]
     problems = [
         f"experiments: {e!r} is not NAME or NAME=VALUE"
         for e in experiments
-        if not isinstance(e, str) or not _EXPERIMENT_RE.match(e)
+        if not naming.full(_EXPERIMENT_RE, e)
     ]
     problems += [
         f"experiments: {e} cannot be used: the custom SDK container needs Runner v2"
@@ -192,34 +166,32 @@ def dataflow_settings(
             "project_id is not set (run form dataflow.project_id, "
             f"{DATAFLOW_ENV_PREFIX}PROJECT_ID, or the GCP connection's project)"
         )
-    elif not isinstance(project, str) or not _PROJECT_RE.match(project):
+    elif not naming.full(naming.PROJECT, project):
         problems.append(f"project_id {project!r} is not a GCP project id")
     location = merged.get("location")
     if not location:
         problems.append(_unset("location", "a Dataflow region, e.g. us-central1"))
-    elif not isinstance(location, str) or not _REGION_RE.match(location):
+    elif not naming.full(naming.REGION, location):
         problems.append(f"location {location!r} is not a Dataflow region (e.g. us-central1)")
     temp = merged.get("temp_location")
     if not temp:
         problems.append(_unset("temp_location", "gs://bucket/path"))
-    elif not isinstance(temp, str) or not _GCS_RE.match(temp):
+    elif not naming.full(naming.GCS_PATH, temp):
         problems.append(f"temp_location {temp!r} is not a gs://bucket/path")
     staging = merged.get("staging_location") or (
         f"{temp.rstrip('/')}/staging" if isinstance(temp, str) and temp else None
     )
     # Derived from temp_location when not given: a missing temp_location is reported once.
-    if staging is not None and (not isinstance(staging, str) or not _GCS_RE.match(staging)):
+    if staging is not None and not naming.full(naming.GCS_PATH, staging):
         problems.append(f"staging_location {staging!r} is not a gs://bucket/path")
     image = merged.get("sdk_container_image")
     if not image:
         # Without it workers run Beam's stock image, which lacks the pipelines package.
         problems.append(_unset("sdk_container_image", "the slipway-beam image"))
-    elif error := _check_image(image):
+    elif error := naming.image_problem(image, "sdk_container_image"):
         problems.append(error)
     account = merged.get("service_account")
-    if account is not None and (
-        not isinstance(account, str) or not _SERVICE_ACCOUNT_RE.match(account)
-    ):
+    if account is not None and not naming.full(naming.SERVICE_ACCOUNT, account):
         problems.append(f"service_account {account!r} is not a service account e-mail")
     workers = merged.get("max_num_workers")
     if workers is not None and (

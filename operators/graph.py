@@ -260,6 +260,7 @@ def build_graph(params: Mapping[str, Any]) -> Graph:
             "backend": params["backend"],
             "image": params["image"],
             "fail_at_step": int(params["fail_at_step"]),
+            "mesh": dict(params.get("mesh") or {}),
         },
     )
     evaluate = Step(

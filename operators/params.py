@@ -20,7 +20,6 @@ import copy
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -28,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import Param
+
+from operators import naming
+from operators.settings import absolute
 
 # Training corpora `pipelines.corpora.fetch` knows (data/raw/<name>.jsonl.gz).
 SOURCES = ("brown", "factbook", "fortunes", "python-stdlib", "spam-assassin")
@@ -85,6 +87,7 @@ PLATFORM_ENV = {
     "gke.service_account": "SLIPWAY_TRAINER_SERVICE_ACCOUNT",
     "gke.queue": "SLIPWAY_KUEUE_QUEUE",
     "gke.tpu_zone": "SLIPWAY_TPU_ZONE",
+    "data_dir": "SLIPWAY_DATA_DIR",
 }
 # The form's default image: the local build of the trainer image (docker/README.md). The local
 # backend ignores it (it runs this interpreter); no cluster can pull it, so gke refuses it.
@@ -104,7 +107,9 @@ def platform_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any
         value = environ.get(name, "").strip()
         if not value:
             continue
-        if field == "slices":
+        if field == "data_dir":
+            found[field] = absolute(value)  # what a task would read
+        elif field == "slices":
             # Left as text when not a number: the schema check names it.
             found[field] = int(value) if value.isdigit() else value
         elif field.startswith("gke."):
@@ -130,7 +135,24 @@ def _check_platform_defaults(params: Mapping[str, Param], defaults: Mapping[str,
         )
 
 
-DATA_DIR_PATTERN = r"^(?!.*(^|/)\.\.(/|$))(|/[^\s\x00-\x1f]*|gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s\x00-\x1f]*)?)$"
+def full_match(body: str) -> str:
+    """A JSON-schema ``pattern`` that must match the whole value. Airflow checks patterns with
+    Python's ``re.search``, where ``$`` also matches before a final newline, so ``(?!\\n)``
+    follows it; the browser form's ECMAScript regexes read the same pattern the same way."""
+    return f"^(?:{body})$(?!\\n)"
+
+
+# Empty (the platform's folder), or an absolute local folder or a gs:// prefix in plain path
+# characters (spaces allowed locally):
+# no relative paths (a task's working directory is nobody's business), no segment starting with
+# "." (so no `..`), no tabs, newlines, controls or unicode look-alikes. Which roots it may lie
+# under is checked at run time (operators.settings.data_dir), where the platform's are known.
+_LOCAL_PART = r"[A-Za-z0-9_~+=,@-][A-Za-z0-9._~+=,@ -]*"
+_GCS_PART = r"[A-Za-z0-9_~+=,@-][A-Za-z0-9._~+=,@-]*"
+DATA_DIR_PATTERN = full_match(
+    rf"|/|(/{_LOCAL_PART})+/?|gs://[a-z0-9][a-z0-9._-]{{1,220}}[a-z0-9](/{_GCS_PART})*/?"
+)
+TOPOLOGY_PATTERN = full_match(r"[0-9]+(x[0-9]+){0,2}")
 
 
 def pipeline_params(environ: Mapping[str, str] | None = None) -> dict[str, Param]:
@@ -183,12 +205,26 @@ def _form(platform: Mapping[str, Any]) -> dict[str, Param]:
         "topology": Param(
             platform.get("topology", "1"),
             type="string",
-            pattern=r"^[0-9]+(x[0-9]+){0,2}$",
+            pattern=TOPOLOGY_PATTERN,
             title="Topology",
             description="TPU topology (2x2x4, 4x4) or, for cpu, the number of local processes.",
         ),
         "slices": Param(
             platform.get("slices", 1), type="integer", minimum=1, maximum=64, title="Slices"
+        ),
+        "mesh": Param(
+            {},
+            type="object",
+            title="Device mesh override",
+            description="Empty: derived from the launch (replica = slices; each slice filled by "
+            "fsdp for presets too large to replicate on a chip, else by data). Otherwise some "
+            'of {"data", "fsdp", "tensor"}: -1 (the rest of the slice) or a size; together '
+            "they must use exactly a slice's chips.",
+            properties={
+                axis: {"type": "integer", "minimum": -1, "not": {"const": 0}}
+                for axis in ("data", "fsdp", "tensor")
+            },
+            additionalProperties=False,
         ),
         "backend": Param(
             platform.get("backend", "local"),
@@ -262,14 +298,15 @@ def _form(platform: Mapping[str, Any]) -> dict[str, Param]:
             65_536, type="integer", minimum=1, title="Eval tokens per store (cap)"
         ),
         "data_dir": Param(
-            "",
+            # The platform's folder, shown in the form: an empty required field would keep
+            # the form's Trigger button disabled.
+            platform.get("data_dir", absolute("data")),
             type="string",
-            # An absolute local folder or a gs:// prefix: no relative paths (a task's working
-            # directory is nobody's business), no `..` segments, no whitespace or controls.
             pattern=DATA_DIR_PATTERN,
             title="Corpora folder",
-            description="Holds raw/ and eval/: an absolute folder or gs://bucket/prefix "
-            "(default $SLIPWAY_DATA_DIR or ./data).",
+            description="Holds raw/ and eval/: an absolute folder or gs://bucket/prefix at or "
+            "below a root the platform allows ($SLIPWAY_ALLOWED_DATA_ROOTS, $SLIPWAY_DATA_DIR, "
+            "$SLIPWAY_HOME). Default (or empty): $SLIPWAY_DATA_DIR, else ./data.",
         ),
         "fail_at_step": Param(
             0,
@@ -312,9 +349,8 @@ GKE_CLUSTER_KEYS = (
     "tpu_zone",
 )
 GKE_LAUNCH_KEYS = ("service_account", "queue")
-_GCP_LOCATION = re.compile(r"^[a-z]+-[a-z]+[0-9]+(-[a-z])?$")  # us-central2, us-east5-a
-_GCP_PROJECT = re.compile(r"^([a-z][-a-z0-9.]*:)?[a-z][-a-z0-9]{4,28}[a-z0-9]$")
-_GKE_CLUSTER = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+# A valid image for the renderer's checks of the other fields (the run's image is checked alone).
+_CHECK_IMAGE = "check:0"
 
 
 def gke_cluster(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -334,16 +370,16 @@ def _gke_problems(params: Mapping[str, Any]) -> list[str]:
     # The backend's own checks: namespace a DNS-1123 label, one credentials source, ...
     settings = ClusterSettings.from_dict(gke_cluster(params))
     problems += [f"gke.{p}" for p in settings.problems()]
-    if gke.get("cluster_name") and not _GKE_CLUSTER.match(gke["cluster_name"]):
+    if gke.get("cluster_name") and not naming.full(naming.GKE_CLUSTER, gke["cluster_name"]):
         problems.append(
             f"gke.cluster_name {gke['cluster_name']!r}: lowercase letters, digits and '-', "
             "starting with a letter, at most 40 characters"
         )
-    if gke.get("location") and not _GCP_LOCATION.match(gke["location"]):
+    if gke.get("location") and not naming.is_location(gke["location"]):
         problems.append(
             f"gke.location {gke['location']!r}: a GCP region or zone (us-central2, us-east5-a)"
         )
-    if gke.get("project_id") and not _GCP_PROJECT.match(gke["project_id"]):
+    if gke.get("project_id") and not naming.full(naming.PROJECT, gke["project_id"]):
         problems.append(f"gke.project_id {gke['project_id']!r}: not a GCP project id")
     if params.get("image") == DEV_IMAGE:
         problems.append(
@@ -368,7 +404,7 @@ def _dataflow_problems(
         dataflow_settings,
         platform_dataflow_settings,
     )
-    from operators.settings import data_dir, storage_root
+    from operators.settings import DataDirNotAllowed, data_dir, storage_root
 
     run = dict(params.get("dataflow") or {})
     platform = platform_dataflow_settings()
@@ -381,32 +417,57 @@ def _dataflow_problems(
     except DataflowSettingsError as exc:
         problems += [f"dataflow.{p}" for p in exc.problems]
     # Dataflow workers cannot read the Airflow worker's disk.
+    try:
+        corpora = data_dir(params.get("data_dir"))
+    except DataDirNotAllowed:
+        corpora = "gs://"  # refused on its own by check_run_config
     for what, path in (
         ("storage root ($SLIPWAY_HOME)", storage_root()),
-        ("data_dir (the corpora; default $SLIPWAY_DATA_DIR)", data_dir(params.get("data_dir"))),
+        ("data_dir (the corpora; default $SLIPWAY_DATA_DIR)", corpora),
     ):
         if not path.startswith("gs://"):
             problems.append(f"{what} {path}: DataflowRunner needs it on gs://")
     return problems
 
 
+def _non_finite(value: Any, path: str) -> list[str]:
+    """Every NaN or infinity in a run form (JSON schema's ranges let NaN through: every
+    comparison with it is false)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{path}: must be a finite number, got {value!r}"]
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in _non_finite(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list | tuple):
+        return [p for i, v in enumerate(value) for p in _non_finite(v, f"{path}[{i}]")]
+    return []
+
+
 def check_run_config(
     params: Mapping[str, Any], *, connection_project: Callable[[], str | None] | None = None
 ) -> None:
-    """Cross-field checks JSON schema cannot express. Raises :class:`RunConfigError`.
+    """Every check of a run form that JSON schema cannot express. Raises
+    :class:`RunConfigError` listing every problem, each starting with the field's name.
 
-    ``connection_project`` looks up the GCP connection's project, the Dataflow project's last
-    fallback; called only when neither the run nor the platform names one.
+    Cross-field rules, non-finite numbers, the data roots, credentials and images the platform
+    allows (:mod:`operators.policy`), every stage config (:mod:`pipelines.configs`), the TPU
+    shape. ``connection_project`` looks up the GCP connection's project, the Dataflow
+    project's last fallback; called only when neither the run nor the platform names one.
     """
-    # Lazy: the catalogue is cheap, but keep parse-time imports to Param only.
+    # Lazy: parse-time imports stay at Param; the stage configs import their stage modules.
     from operators.jobset import ManifestError, TrainingLaunch
+    from operators.jobset.mesh import MeshError, launch_mesh
+    from operators.policy import RunPolicy
+    from operators.settings import DataDirNotAllowed, data_dir
+    from pipelines.configs import check_stage_configs
 
-    problems: list[str] = []
+    problems = _non_finite(dict(params), "")
+    if problems:  # a NaN makes every other rule meaningless
+        raise RunConfigError("invalid run configuration:\n  " + "\n  ".join(problems))
     sources = sources_of(params)
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         problems.append(f"sources: a source is listed twice ({names})")
-    if not any(s.weight > 0 and math.isfinite(s.weight) for s in sources):
+    if not any(s.weight > 0 for s in sources):
         problems.append("sources: mixture weights must not all be 0")
     if params["warmup_steps"] > params["steps"]:
         problems.append(
@@ -416,14 +477,22 @@ def check_run_config(
         problems.append(
             f"fail_at_step: {params['fail_at_step']} must be below steps ({params['steps']})"
         )
+    try:
+        data_dir(params.get("data_dir"))
+    except DataDirNotAllowed as exc:
+        problems.append(str(exc))
+    problems += RunPolicy.from_env().problems(params)
+    if problem := naming.image_problem(params["image"]):
+        problems.append(problem)
+    problems += check_stage_configs(params.get("stage_configs") or {})
     if params["backend"] == "gke":
         problems.extend(_gke_problems(params))
     if params["runner"] == "DataflowRunner":
         problems.extend(_dataflow_problems(params, connection_project))
     try:
-        TrainingLaunch(
+        launch = TrainingLaunch(
             name="check",
-            image=params["image"],
+            image=_CHECK_IMAGE,
             config_uri="check.json",
             accelerator=params["accelerator"],
             topology=params["topology"],
@@ -431,6 +500,11 @@ def check_run_config(
         )
     except ManifestError as exc:
         problems.append(f"accelerator/topology/slices: {exc}")
+    else:
+        try:
+            launch_mesh(launch.shape, params["model_preset"], params.get("mesh") or {})
+        except MeshError as exc:
+            problems.append(str(exc))
     if params["backend"] == "gke":
         gke = params.get("gke") or {}
         # Service account and queue go into the manifest: the renderer's own checks.
@@ -438,7 +512,10 @@ def check_run_config(
             if gke.get(key):
                 try:
                     TrainingLaunch(
-                        name="check", image="check", config_uri="check.json", **{key: gke[key]}
+                        name="check",
+                        image=_CHECK_IMAGE,
+                        config_uri="check.json",
+                        **{key: gke[key]},
                     )
                 except ManifestError as exc:
                     problems.append(f"gke.{key}: {exc}")

@@ -6,7 +6,9 @@ the metadata database on every parse):
 * storage root: ``$SLIPWAY_HOME``, else the Airflow Variable ``slipway_home``, else ``./out``
   (made absolute). Step outputs live under ``{root}/steps``; a ``gs://`` root works too.
 * lineage database: ``$SLIPWAY_LINEAGE_DB``, else ``sqlite:///{root}/lineage.db`` (local roots).
-* corpora: the run's ``data_dir`` param, else ``$SLIPWAY_DATA_DIR``, else ``./data``.
+* corpora: the run's ``data_dir`` param (at or below a root the platform allows:
+  ``$SLIPWAY_ALLOWED_DATA_ROOTS``, the platform data dir and the storage root), else
+  ``$SLIPWAY_DATA_DIR``, else ``./data``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 HOME_ENV = "SLIPWAY_HOME"
 HOME_VARIABLE = "slipway_home"
 DATA_ENV = "SLIPWAY_DATA_DIR"
+DATA_ROOTS_ENV = "SLIPWAY_ALLOWED_DATA_ROOTS"
 LINEAGE_ENV = "SLIPWAY_LINEAGE_DB"
 
 
@@ -32,13 +35,14 @@ def _variable(key: str) -> str | None:
         return None
 
 
-def _absolute(path: str) -> str:
+def absolute(path: str) -> str:
+    """Local paths made absolute (against the working directory); URLs as given."""
     return path if "://" in path else str(Path(path).absolute())
 
 
 def storage_root() -> str:
     """The root every step output, run summary and (by default) the lineage DB live under."""
-    return _absolute(os.environ.get(HOME_ENV) or _variable(HOME_VARIABLE) or "out")
+    return absolute(os.environ.get(HOME_ENV) or _variable(HOME_VARIABLE) or "out")
 
 
 def steps_root() -> str:
@@ -58,5 +62,43 @@ def lineage_url() -> str:
     return f"sqlite:///{Path(root) / 'lineage.db'}"
 
 
+class DataDirNotAllowed(ValueError):
+    """A run's ``data_dir`` outside every root the platform allows."""
+
+
+def _normalized(path: str) -> str:
+    """Local: absolute with symlinks and ``..`` resolved (a link cannot lead out of a root);
+    object stores: as given, without a trailing slash."""
+    if "://" in path and not path.startswith("file://"):
+        return path.rstrip("/")
+    return os.path.realpath(path.removeprefix("file://"))
+
+
+def platform_data_dir() -> str:
+    """The corpora folder when a run names none: ``$SLIPWAY_DATA_DIR``, else ``./data``."""
+    return absolute(os.environ.get(DATA_ENV) or "data")
+
+
+def allowed_data_roots() -> tuple[str, ...]:
+    """Where a run's ``data_dir`` may point: at or below one of these. The platform's list in
+    ``$SLIPWAY_ALLOWED_DATA_ROOTS`` (comma-separated folders or gs:// prefixes), always with
+    the platform data dir and the storage root."""
+    listed = [p.strip() for p in os.environ.get(DATA_ROOTS_ENV, "").split(",") if p.strip()]
+    return tuple(dict.fromkeys([*map(absolute, listed), platform_data_dir(), storage_root()]))
+
+
 def data_dir(param: str | None = None) -> str:
-    return _absolute(param or os.environ.get(DATA_ENV) or "data")
+    """The run's corpora folder: its ``data_dir`` param, which must lie at or below one of
+    :func:`allowed_data_roots` (:class:`DataDirNotAllowed` otherwise), else the platform's."""
+    if not param:
+        return platform_data_dir()
+    path = absolute(param)
+    target = _normalized(path)
+    for root in allowed_data_roots():
+        base = _normalized(root)
+        if target == base or target.startswith(base.rstrip("/") + "/"):
+            return path
+    raise DataDirNotAllowed(
+        f"data_dir {param!r} is outside the data roots the platform allows "
+        f"({', '.join(allowed_data_roots())}; an operator adds more in {DATA_ROOTS_ENV})"
+    )

@@ -47,7 +47,7 @@ STATUS_FILE = ".status.json"
 LEASE_PREFIX = ".lease-"
 TRACEBACK_TAIL_CHARS = 4000  # enough to see the failing frame, small enough for a marker file
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)*")  # fullmatch
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class Step:
     description: str = ""
 
     def __post_init__(self) -> None:
-        if not _NAME_RE.match(self.name):
+        if not _NAME_RE.fullmatch(self.name):
             raise ValueError(f"step name {self.name!r}: use letters, digits, '_', '.', '-', '/'")
         # Freeze copies so that mutating the caller's dict cannot change a computed version.
         object.__setattr__(self, "config", _freeze(self.config))

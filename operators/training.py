@@ -197,8 +197,16 @@ class _JobSetRunner:
 
 
 def _launch(spec_name: str, params: Mapping[str, Any], **kwargs: Any) -> Any:
+    """The JobSet launch of a trainer entrypoint (training or evaluation) for this run: its
+    slice shape, and the device mesh that shape implies (``--set mesh.*``, after the
+    entrypoint's own arguments: :func:`operators.jobset.mesh.launch_mesh`)."""
     from operators.jobset import TrainingLaunch
+    from operators.jobset.catalogue import resolve
+    from operators.jobset.mesh import launch_mesh, mesh_args
 
+    shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
+    mesh = launch_mesh(shape, params["model_preset"], params.get("mesh") or {})
+    args = kwargs.pop("args", None) or ("--config", kwargs.get("config_uri", ""))
     labels = {"app.kubernetes.io/part-of": "slipway", **kwargs.pop("labels", {})}
     return TrainingLaunch(
         name=spec_name,
@@ -207,6 +215,7 @@ def _launch(spec_name: str, params: Mapping[str, Any], **kwargs: Any) -> Any:
         topology=params["topology"],
         slices=int(params["slices"]),
         labels=labels,
+        args=(*args, *mesh_args(mesh)),
         **kwargs,
     )
 

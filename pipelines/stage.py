@@ -31,6 +31,7 @@ from pipelines.beam_io import (
     write_dead_letters,
     write_documents,
 )
+from pipelines.configs import ConfigError, build_config
 from pipelines.manifest import Manifest, ShardInfo, read_manifest
 
 log = logging.getLogger(__name__)
@@ -70,17 +71,11 @@ def config_from_args(config_type: type[ConfigT], text: str | None) -> ConfigT:
 
 
 def config_from_mapping(config_type: type[ConfigT], values: Mapping[str, Any]) -> ConfigT:
-    known = {f.name for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise StageError(
-            f"unknown config field(s) for {config_type.__name__}: {', '.join(unknown)}"
-            f" (known: {', '.join(sorted(known))})"
-        )
+    """:func:`pipelines.configs.build_config`, its errors as :class:`StageError`."""
     try:
-        return config_type(**values)
-    except (TypeError, ValueError) as err:
-        raise StageError(f"invalid {config_type.__name__}: {err}") from None
+        return build_config(config_type, values)
+    except ConfigError as err:
+        raise StageError(str(err)) from None
 
 
 def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:

@@ -24,3 +24,11 @@ def tree_digest(root: Path) -> dict[str, str]:
 @pytest.fixture
 def digest():
     return tree_digest
+
+
+@pytest.fixture(autouse=True)
+def _data_roots_allow_test_folders(tmp_path_factory, monkeypatch):
+    """The test platform's data roots: pytest's temporary folders, where the tests put their
+    corpora (a run's data_dir must lie below a root the platform allows). Tests of that rule
+    set SLIPWAY_ALLOWED_DATA_ROOTS themselves."""
+    monkeypatch.setenv("SLIPWAY_ALLOWED_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))

@@ -33,7 +33,7 @@ MAX_SLICES = 64
 # Local processes share one machine; more than this is a mistake, not a test.
 MAX_CPU_PROCESSES = 64
 
-_TOPOLOGY_RE = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*)*$")
+_TOPOLOGY_RE = re.compile(r"[1-9][0-9]*(x[1-9][0-9]*)*")  # fullmatch: no trailing newline
 
 
 class ShapeError(ValueError):
@@ -63,6 +63,9 @@ class AcceleratorType:
     max_chips: int  # chips in a full pod: the largest single slice
     layout: Callable[[str, tuple[int, ...]], HostLayout | str]
     examples: tuple[str, ...]  # shown in errors and docs
+    # High-bandwidth memory per chip, GiB (public specs; for cpu a nominal share of host
+    # memory per process): decides whether a preset's parameters are sharded by default.
+    hbm_gib: float = 16.0
     aliases: tuple[str, ...] = ()
     verified: bool = True  # False: taken from launch docs, not yet run by us
 
@@ -83,6 +86,7 @@ class SliceShape:
     chips_per_slice: int
     hosts_per_slice: int
     chips_per_host: int
+    hbm_gib_per_chip: float = 16.0
 
     @property
     def is_tpu(self) -> bool:
@@ -103,7 +107,7 @@ class SliceShape:
 
 
 def _parse(topology: str, dims: int) -> tuple[int, ...] | str:
-    if not isinstance(topology, str) or not _TOPOLOGY_RE.match(topology):
+    if not isinstance(topology, str) or not _TOPOLOGY_RE.fullmatch(topology):
         return "topology must look like A, AxB or AxBxC with positive integers"
     parts = tuple(int(p) for p in topology.split("x"))
     if len(parts) != dims:
@@ -160,6 +164,7 @@ _TYPES = (
         max_chips=4096,
         layout=_threed("ct4p-hightpu-4t"),
         examples=("2x2x1", "2x2x4", "4x4x4"),
+        hbm_gib=32.0,
     ),
     AcceleratorType(
         name="v5e",
@@ -168,6 +173,7 @@ _TYPES = (
         max_chips=256,
         layout=_twod("ct5lp-hightpu"),
         examples=("2x2", "2x4", "4x4", "16x16"),
+        hbm_gib=16.0,
         aliases=("v5litepod", "v5lite"),
     ),
     AcceleratorType(
@@ -177,6 +183,7 @@ _TYPES = (
         max_chips=8960,
         layout=_threed("ct5p-hightpu-4t"),
         examples=("2x2x1", "2x2x4", "4x4x8"),
+        hbm_gib=95.0,
     ),
     AcceleratorType(
         name="v6e",
@@ -185,6 +192,7 @@ _TYPES = (
         max_chips=256,
         layout=_twod("ct6e-standard"),
         examples=("2x2", "2x4", "4x4", "16x16"),
+        hbm_gib=32.0,
         aliases=("trillium",),
     ),
     # Ironwood: 4-chip VMs in 3D tori like v5p. Multi-host node pools are placed with a
@@ -196,6 +204,7 @@ _TYPES = (
         max_chips=9216,
         layout=_threed("tpu7x-standard-4t"),
         examples=("2x2x1", "2x2x4", "4x4x4"),
+        hbm_gib=192.0,
         aliases=("ironwood",),
         verified=False,
     ),
@@ -206,6 +215,7 @@ _TYPES = (
         max_chips=2**31,  # bounded by the process count below, with a clearer message
         layout=_cpu,
         examples=("1", "2", "4"),
+        hbm_gib=16.0,
     ),
 )
 
@@ -268,4 +278,5 @@ def resolve(accelerator: str, topology: str, slices: int = 1) -> SliceShape:
         chips_per_slice=chips,
         hosts_per_slice=hosts,
         chips_per_host=layout.chips_per_host,
+        hbm_gib_per_chip=kind.hbm_gib,
     )

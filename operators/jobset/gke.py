@@ -27,7 +27,6 @@ import copy
 import json
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -35,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
+from operators import naming
 from operators.jobset.backend import COMPLETED, FAILED, JobSetHandle, JobSetStatus, PodExit
 from operators.jobset.manifest import (
     API_VERSION,
@@ -125,9 +125,6 @@ class CredentialsUnavailable(JobSetApiError):
 # where the cluster is, and whose credentials
 
 
-_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
-
-
 @dataclass(frozen=True)
 class ClusterSettings:
     """Where JobSets go and which credentials reach the cluster: plain, JSON-able settings.
@@ -196,7 +193,7 @@ class ClusterSettings:
             out.append(f"credentials: choose one source, not {' and '.join(sources)}")
         if self.cluster_name and not self.location:
             out.append("location: a GKE cluster_name needs its location (region or zone)")
-        if self.tpu_zone and not _ZONE.match(self.tpu_zone):
+        if self.tpu_zone and not naming.full(naming.ZONE, self.tpu_zone):
             out.append(f"tpu_zone: {self.tpu_zone!r} is not a zone (e.g. us-central2-b)")
         gcp_only = self.location or self.project_id or self.gcp_conn_id or self.use_internal_ip
         if gcp_only and not self.cluster_name:

@@ -91,7 +91,7 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     return _EXPAND_RE.sub(sub, value)
 
 
-_FIELD_RE = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
+_FIELD_RE = re.compile(r"metadata\.(labels|annotations)\['([^']+)'\]")
 
 
 @dataclass(frozen=True)
@@ -366,7 +366,7 @@ class LocalRun:
             key = entry["name"]
             if "valueFrom" in entry:
                 path = entry["valueFrom"]["fieldRef"]["fieldPath"]
-                m = _FIELD_RE.match(path)
+                m = _FIELD_RE.fullmatch(path)
                 if m:
                     source = labels if m.group(1) == "labels" else annotations
                     env[key] = source.get(m.group(2), "")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+from operators.naming import full, image_problem
+
 __all__ = [
     "ManifestError",
     "check_arg",
@@ -26,14 +28,11 @@ class ManifestError(ValueError):
     """A launch spec that would render an invalid or unsafe manifest."""
 
 
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_SUBDOMAIN = re.compile(
-    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-)
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# registry/path:tag or @digest; no whitespace or shell characters, nothing to interpret.
-_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")
+# Matched with fullmatch (naming.full): "$" alone would accept a trailing newline.
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Args are an argv list handed to exec, never a shell string. These characters only mean
 # something to a shell (or, for '$', to Kubernetes' $(VAR) expansion); in an arg they signal a
 # string that was built for a shell, or an injection attempt.
@@ -42,7 +41,7 @@ _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash", "busybox"})
 
 
 def check_dns1123_label(value: object, what: str, max_len: int = 63) -> str:
-    if not isinstance(value, str) or not _DNS1123_LABEL.match(value) or len(value) > max_len:
+    if not full(_DNS1123_LABEL, value) or len(value) > max_len:  # type: ignore[arg-type]
         raise ManifestError(
             f"{what} {value!r}: must be a DNS-1123 label (lowercase letters, digits and '-', "
             f"starting and ending with a letter or digit, at most {max_len} characters)"
@@ -51,7 +50,7 @@ def check_dns1123_label(value: object, what: str, max_len: int = 63) -> str:
 
 
 def check_dns1123_subdomain(value: object, what: str) -> str:
-    if not isinstance(value, str) or not _DNS1123_SUBDOMAIN.match(value) or len(value) > 253:
+    if not full(_DNS1123_SUBDOMAIN, value) or len(value) > 253:  # type: ignore[arg-type]
         raise ManifestError(
             f"{what} {value!r}: must be a DNS-1123 subdomain (lowercase letters, digits, '-' "
             "and '.', at most 253 characters)"
@@ -65,7 +64,7 @@ def check_label_key(key: object, what: str = "label key") -> str:
     prefix, _, name = key.rpartition("/")
     if prefix:
         check_dns1123_subdomain(prefix, f"{what} prefix of {key!r}")
-    if len(name) > 63 or not _LABEL_NAME.match(name):
+    if len(name) > 63 or not full(_LABEL_NAME, name):
         raise ManifestError(
             f"{what} {key!r}: name part must be at most 63 characters of letters, digits, "
             "'-', '_' and '.', starting and ending with a letter or digit"
@@ -74,7 +73,7 @@ def check_label_key(key: object, what: str = "label key") -> str:
 
 
 def check_label_value(value: object, what: str = "label value") -> str:
-    if not isinstance(value, str) or len(value) > 63 or (value and not _LABEL_NAME.match(value)):
+    if not isinstance(value, str) or len(value) > 63 or (value and not full(_LABEL_NAME, value)):
         raise ManifestError(
             f"{what} {value!r}: must be empty or at most 63 characters of letters, digits, "
             "'-', '_' and '.', starting and ending with a letter or digit"
@@ -96,7 +95,7 @@ def check_labels(labels: Mapping[str, str], reserved: Iterable[str] = ()) -> dic
 
 
 def check_env_name(name: object) -> str:
-    if not isinstance(name, str) or not _ENV_NAME.match(name):
+    if not full(_ENV_NAME, name):
         raise ManifestError(
             f"environment variable name {name!r}: must match [A-Za-z_][A-Za-z0-9_]*"
         )
@@ -112,12 +111,11 @@ def check_env_value(name: str, value: object) -> str:
 
 
 def check_image(image: object) -> str:
-    if not isinstance(image, str) or not _IMAGE.match(image) or len(image) > 512:
-        raise ManifestError(
-            f"image {image!r}: must be an image reference such as "
-            "us-docker.pkg.dev/project/repo/trainer:tag (no spaces or shell characters)"
-        )
-    return image
+    """The image policy every launched container follows (:func:`operators.naming.image_problem`:
+    a full reference with a version tag or digest, never ``latest``)."""
+    if problem := image_problem(image):
+        raise ManifestError(problem)
+    return image  # type: ignore[return-value]
 
 
 def check_arg(arg: object, what: str) -> str:

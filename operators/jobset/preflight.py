@@ -24,11 +24,11 @@ check.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from operators import naming
 from operators.jobset.catalogue import ShapeError, SliceShape
 
 __all__ = [
@@ -55,9 +55,6 @@ TPU_API_GENERATION = {
 _SIZE_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
 DEFAULT_TIMEOUT_S = 20.0
 
-_PROJECT_RE = re.compile(r"^(?:[a-z][a-z0-9.-]*[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
-_ZONE_RE = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]+-[a-z]$")
-_REGION_RE = re.compile(r"^[a-z]+(?:-[a-z]+)+[0-9]+$")
 
 Status = Literal["offered", "shape_unlisted", "unverified", "skipped"]
 
@@ -169,18 +166,18 @@ def check_accelerator_offered(
     """
     if not shape.is_tpu:
         return PreflightResult("skipped", shape.accelerator, zone, "not a TPU: nothing to check")
-    if isinstance(project, str) and not _PROJECT_RE.match(project):
+    if isinstance(project, str) and not naming.full(naming.PROJECT, project):
         raise ValueError(f"TPU preflight: {project!r} is not a GCP project id")
-    if isinstance(zone, str) and _REGION_RE.match(zone):
+    if naming.full(naming.REGION, zone):
         message = f"{zone} is a region; TPU types are offered per zone: preflight skipped"
         log.info("TPU preflight: %s", message)
         return PreflightResult("skipped", shape.accelerator, zone, message)
-    if not isinstance(zone, str) or not _ZONE_RE.match(zone):
+    if not naming.full(naming.ZONE, zone):
         raise ValueError(f"TPU preflight: {zone!r} is not a zone (e.g. us-central2-b)")
 
     try:
         project_id = _resolve(project)
-        if not isinstance(project_id, str) or not _PROJECT_RE.match(project_id):
+        if not naming.full(naming.PROJECT, project_id):
             raise LookupError(f"no usable GCP project ({project_id!r})")
         parent = f"projects/{project_id}/locations/{zone}"
         listed = _list_types(client or _default_client(_resolve(credentials)), parent, timeout)

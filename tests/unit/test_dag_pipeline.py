@@ -27,6 +27,7 @@ def dag():
 
 def test_dagbag_loads_the_pipeline(dag):
     assert dag.task_ids == [
+        "validate",
         "fetch",
         "ingest",
         "quality",
@@ -156,9 +157,12 @@ def test_cross_field_checks(dag, conf, message):
         check_run_config(values)
 
 
-def test_gke_run_form_is_accepted(dag):
+def test_gke_run_form_is_accepted(dag, monkeypatch):
     from operators.params import check_run_config
 
+    # The platform allows this namespace and the images of this repository path.
+    monkeypatch.setenv("SLIPWAY_ALLOWED_NAMESPACES", "train")
+    monkeypatch.setenv("SLIPWAY_ALLOWED_IMAGES", "us-docker.pkg.dev/proj/slipway/")
     values = _validate(
         dag,
         backend="gke",
@@ -178,7 +182,7 @@ BEAM_IMAGE = "us-docker.pkg.dev/slipway-test/slipway/slipway-beam:0.1.0"
 def dataflow_platform(monkeypatch):
     """What the Helm chart's ConfigMap sets: Dataflow defaults and a gs:// storage root."""
     monkeypatch.setenv("SLIPWAY_HOME", f"{BUCKET}/slipway")
-    monkeypatch.delenv("SLIPWAY_DATA_DIR", raising=False)
+    monkeypatch.setenv("SLIPWAY_DATA_DIR", f"{BUCKET}/corpora")
     env = {
         "SLIPWAY_DATAFLOW_PROJECT_ID": "slipway-test",
         "SLIPWAY_DATAFLOW_LOCATION": "us-central1",
@@ -220,6 +224,7 @@ def test_dataflow_run_without_the_sdk_image_is_refused(dag, dataflow_platform):
     from operators.params import RunConfigError, check_run_config
 
     dataflow_platform.delenv("SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE")
+    dataflow_platform.setenv("SLIPWAY_ALLOWED_IMAGES", "us-docker.pkg.dev/slipway-test/slipway/")
     with pytest.raises(RunConfigError, match=re.escape("dataflow.sdk_container_image is not set")):
         check_run_config(_dataflow_run(dag))
     # The run's own value counts too.
@@ -229,6 +234,7 @@ def test_dataflow_run_without_the_sdk_image_is_refused(dag, dataflow_platform):
 def test_every_bad_dataflow_value_is_listed(dag, dataflow_platform):
     from operators.params import RunConfigError, check_run_config
 
+    dataflow_platform.setenv("SLIPWAY_ALLOWED_DATA_ROOTS", "/srv")
     values = _validate(
         dag,
         runner="DataflowRunner",
@@ -269,12 +275,14 @@ PLATFORM = {
 }
 
 
-def test_platform_environment_prefills_the_form():
+def test_platform_environment_prefills_the_form(monkeypatch):
     from airflow.sdk.definitions.param import ParamsDict
 
     from operators.params import DEV_IMAGE, check_run_config, pipeline_params
 
-    params = ParamsDict(pipeline_params(environ=PLATFORM))
+    for name, value in PLATFORM.items():  # the ConfigMap, in every Airflow container
+        monkeypatch.setenv(name, value)
+    params = ParamsDict(pipeline_params())
     values = params.validate()
     assert (values["backend"], values["image"]) == ("gke", PLATFORM["SLIPWAY_TRAINER_IMAGE"])
     assert (values["accelerator"], values["topology"], values["slices"]) == ("v5e", "4x4", 2)

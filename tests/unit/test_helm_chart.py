@@ -75,7 +75,24 @@ KINDS = (
 # source); SLIPWAY_DATAFLOW_<FIELD> keys, which operators/beam_stage.py reads by prefix; and
 # the run form's training defaults, which operators/params.py reads (PLATFORM_ENV).
 READ_BY_OPERATORS = frozenset(
-    {"SLIPWAY_HOME", "SLIPWAY_LINEAGE_DB", "SLIPWAY_DATA_DIR", "SLIPWAY_IMAGE"}
+    {
+        "SLIPWAY_HOME",
+        "SLIPWAY_LINEAGE_DB",
+        "SLIPWAY_DATA_DIR",
+        "SLIPWAY_IMAGE",
+        "SLIPWAY_ALLOWED_DATA_ROOTS",
+        *(
+            f"SLIPWAY_ALLOWED_{k}"
+            for k in (
+                "IMAGES",
+                "NAMESPACES",
+                "SERVICE_ACCOUNTS",
+                "DATAFLOW_SERVICE_ACCOUNTS",
+                "GCP_CONN_IDS",
+                "KUBECONFIGS",
+            )
+        ),
+    }
 )
 STANDARD_ENV = frozenset({"GOOGLE_CLOUD_PROJECT"})
 
@@ -918,3 +935,37 @@ def test_the_configmap_prefills_a_valid_run_form(
     assert values["gke"] == expected_gke
     check_run_config(values)
     check_run_config({**values, "runner": "DataflowRunner"})
+
+
+def test_run_policy_values_become_the_allow_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runPolicy lists render as SLIPWAY_ALLOWED_* keys, and the run form's checks follow
+    them: an extra namespace listed there is accepted, one not listed is refused."""
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import RunConfigError, check_run_config, pipeline_params
+
+    assert not [k for k in config_of(render()) if k.startswith("SLIPWAY_ALLOWED_")]
+    data = config_of(
+        render(
+            runPolicy={
+                "namespaces": ["research-a", "research-b"],
+                "dataRoots": ["gs://example-project-slipway/shared-corpora"],
+            }
+        )
+    )
+    assert data["SLIPWAY_ALLOWED_NAMESPACES"] == "research-a,research-b"
+    assert data["SLIPWAY_ALLOWED_DATA_ROOTS"] == "gs://example-project-slipway/shared-corpora"
+    for name in [n for n in os.environ if n.startswith("SLIPWAY_")]:
+        monkeypatch.delenv(name)
+    for name, value in _env_of(data).items():
+        monkeypatch.setenv(name, value)
+    values = ParamsDict(pipeline_params()).validate()
+    check_run_config(
+        {
+            **values,
+            "gke": {**values["gke"], "namespace": "research-b"},
+            "data_dir": "gs://example-project-slipway/shared-corpora/2026",
+        }
+    )
+    with pytest.raises(RunConfigError, match=r"gke\.namespace 'kube-system' is not allowed"):
+        check_run_config({**values, "gke": {**values["gke"], "namespace": "kube-system"}})

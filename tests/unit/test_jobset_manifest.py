@@ -369,3 +369,134 @@ def test_exit_codes_match_the_trainer():
 def test_refused(kw, match):
     with pytest.raises(ManifestError, match=match):
         launch(**kw)
+
+
+# --------------------------------------------------------------------------------------------
+# the device mesh a launch implies (operators/jobset/mesh.py), as the trainer reads it
+
+
+def _mesh_of(args: list[str]) -> dict[str, int]:
+    """The trainer's MeshConfig from a container's args, parsed as trainer.config does."""
+    from trainer.config import MeshConfig, from_dict, parse_overrides
+
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    mesh = from_dict(MeshConfig, parse_overrides(sets).get("mesh", {}), "mesh")
+    return {"replica": mesh.replica, "data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+
+
+def _run_form(**conf: Any) -> dict[str, Any]:
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import pipeline_params
+
+    params = ParamsDict(pipeline_params())
+    params.update(conf)
+    return params.validate()
+
+
+def test_multislice_v5p_manifest_carries_the_matching_mesh():
+    """The rendered GKE JobSet of an 8b run on 2 v5p slices: replica across the slices, the
+    parameters sharded (fsdp) inside each, and the megascale settings the mesh relies on."""
+    from operators.training import _launch
+    from trainer.distributed import mesh_shape
+
+    params = _run_form(
+        model_preset="8b",
+        accelerator="v5p",
+        topology="2x2x4",
+        slices=2,
+        backend="gke",
+        image="us-docker.pkg.dev/proj/slipway/trainer:abc123",
+    )
+    manifest = _launch("slipway-train-12345678", params, config_uri="gs://b/run/cfg.json").render()
+    assert crd_errors(manifest) == []
+    assert manifest["spec"]["replicatedJobs"][0]["replicas"] == 2
+    container = pod_spec(manifest)["containers"][0]
+    args = container["args"]
+    assert args[:2] == ["--config", "gs://b/run/cfg.json"]
+    mesh = _mesh_of(args)
+    assert mesh == {"replica": 2, "data": 1, "fsdp": -1, "tensor": 1}
+    # 2 slices x 16 chips: the trainer lays it out as 2 x 16 fsdp, every slice on its own.
+    assert mesh_shape(_mesh_config(mesh), 32) == (2, 1, 16, 1)
+    assert {"MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_COORDINATOR_ADDRESS"} <= set(
+        env_of(manifest)
+    )
+
+
+def _mesh_config(mesh: dict[str, int]) -> Any:
+    from trainer.config import MeshConfig
+
+    return MeshConfig(**mesh)
+
+
+@pytest.mark.parametrize(
+    ("preset", "accelerator", "topology", "slices", "expected"),
+    [
+        ("nano", "cpu", "1", 1, {"replica": 1, "data": -1, "fsdp": 1, "tensor": 1}),
+        ("nano", "cpu", "2", 2, {"replica": 2, "data": -1, "fsdp": 1, "tensor": 1}),
+        ("150m", "v5e", "4x4", 1, {"replica": 1, "data": -1, "fsdp": 1, "tensor": 1}),
+        ("300m", "v5e", "4x4", 1, {"replica": 1, "data": 1, "fsdp": -1, "tensor": 1}),
+        ("600m", "v4", "2x2x4", 4, {"replica": 4, "data": 1, "fsdp": -1, "tensor": 1}),
+        ("1.4b", "v5p", "2x2x4", 1, {"replica": 1, "data": -1, "fsdp": 1, "tensor": 1}),
+        ("8b", "v5p", "4x4x4", 2, {"replica": 2, "data": 1, "fsdp": -1, "tensor": 1}),
+    ],
+)
+def test_default_mesh_follows_the_slices_and_the_chip_memory(
+    preset, accelerator, topology, slices, expected
+):
+    from operators.jobset.catalogue import resolve
+    from operators.jobset.mesh import launch_mesh
+
+    assert launch_mesh(resolve(accelerator, topology, slices), preset) == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"tensor": 2}, {"replica": 1, "data": -1, "fsdp": 1, "tensor": 2}),
+        ({"fsdp": 4}, {"replica": 1, "data": -1, "fsdp": 4, "tensor": 1}),
+        ({"data": 2, "fsdp": 2, "tensor": 4}, {"replica": 1, "data": 2, "fsdp": 2, "tensor": 4}),
+        ({"fsdp": -1, "tensor": 2}, {"replica": 1, "data": 1, "fsdp": -1, "tensor": 2}),
+    ],
+)
+def test_mesh_override_on_a_slice(override, expected):
+    from operators.jobset.catalogue import resolve
+    from operators.jobset.mesh import launch_mesh
+
+    assert launch_mesh(resolve("v5e", "4x4"), "150m", override) == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ({"data": 3}, "does not lay out on the 16 chips"),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, "does not lay out on the 16 chips"),
+        ({"data": -1, "fsdp": -1}, "at most one axis may be -1"),
+        ({"replica": 2}, "unknown axis replica"),
+        ({"tensor": 0}, "mesh.tensor: must be -1"),
+    ],
+)
+def test_bad_mesh_override_is_refused_naming_the_axis(override, match):
+    from operators.jobset.catalogue import resolve
+    from operators.jobset.mesh import MeshError, launch_mesh
+
+    with pytest.raises(MeshError, match=match):
+        launch_mesh(resolve("v5e", "4x4"), "150m", override)
+
+
+def test_preset_sizes_match_the_trainer():
+    from operators.jobset.mesh import PRESET_PARAMS
+    from trainer.config import ModelConfig, resolve_model
+    from trainer.model import PRESETS, param_count
+
+    assert set(PRESET_PARAMS) == set(PRESETS)
+    for preset, n in PRESET_PARAMS.items():
+        assert param_count(resolve_model(ModelConfig(preset=preset), vocab_size=128_256)) == n
+
+
+def test_run_form_mesh_override_is_checked_before_the_run():
+    from operators.params import RunConfigError, check_run_config
+
+    check_run_config(_run_form(accelerator="cpu", topology="2", mesh={"data": 2}))
+    with pytest.raises(RunConfigError, match=r"mesh: .* does not lay out on the 2 chips"):
+        check_run_config(_run_form(accelerator="cpu", topology="2", mesh={"data": 4}))

@@ -1,0 +1,148 @@
+"""What the platform lets a run form choose: credentials, identities and images.
+
+Credentials and identities come from the platform, not from the person filling in the form.
+A run may name a kubeconfig, a GCP connection, a training namespace, a service account or an
+image only if the platform set it as the form's default or lists it in an allow-list. The
+allow-lists are environment variables of every Airflow container (the Helm chart's
+``slipway-config`` ConfigMap, ``runPolicy`` values), each a comma-separated list:
+
+=========================================  =====================================================
+variable                                   what it adds to the platform's own value
+=========================================  =====================================================
+``SLIPWAY_ALLOWED_GCP_CONN_IDS``           ``gke.gcp_conn_id`` (always: ``google_cloud_default``)
+``SLIPWAY_ALLOWED_KUBECONFIGS``            ``gke.kubeconfig`` paths (none by default: a kubeconfig
+                                           can run an exec plugin, and any file on the worker
+                                           could be named)
+``SLIPWAY_ALLOWED_NAMESPACES``             ``gke.namespace`` (``$SLIPWAY_TRAINING_NAMESPACE``)
+``SLIPWAY_ALLOWED_SERVICE_ACCOUNTS``       ``gke.service_account``
+                                           (``$SLIPWAY_TRAINER_SERVICE_ACCOUNT``)
+``SLIPWAY_ALLOWED_DATAFLOW_SERVICE_ACCOUNTS`` ``dataflow.service_account``
+                                           (``$SLIPWAY_DATAFLOW_SERVICE_ACCOUNT``)
+``SLIPWAY_ALLOWED_IMAGES``                 the trainer ``image`` of a gke run and
+                                           ``dataflow.sdk_container_image``: an entry is a
+                                           repository (any tag or digest of it), or a prefix
+                                           ending in ``/``; the repositories of
+                                           ``$SLIPWAY_TRAINER_IMAGE`` and
+                                           ``$SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE`` always
+=========================================  =====================================================
+
+Where corpora may be read from is :func:`operators.settings.allowed_data_roots`. Checked by
+:func:`operators.params.check_run_config` (the DAG's ``validate`` task, ``slipway plan``).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from operators.naming import image_repository
+
+DEFAULT_GCP_CONN_ID = "google_cloud_default"
+ALLOW_ENV = {
+    "gcp_conn_ids": "SLIPWAY_ALLOWED_GCP_CONN_IDS",
+    "kubeconfigs": "SLIPWAY_ALLOWED_KUBECONFIGS",
+    "namespaces": "SLIPWAY_ALLOWED_NAMESPACES",
+    "service_accounts": "SLIPWAY_ALLOWED_SERVICE_ACCOUNTS",
+    "dataflow_service_accounts": "SLIPWAY_ALLOWED_DATAFLOW_SERVICE_ACCOUNTS",
+    "images": "SLIPWAY_ALLOWED_IMAGES",
+}
+# The platform's own values, always allowed (the form's defaults on a chart deploy).
+_PLATFORM_VALUE_ENV = {
+    "namespaces": ("SLIPWAY_TRAINING_NAMESPACE",),
+    "service_accounts": ("SLIPWAY_TRAINER_SERVICE_ACCOUNT",),
+    "dataflow_service_accounts": ("SLIPWAY_DATAFLOW_SERVICE_ACCOUNT",),
+    "images": ("SLIPWAY_TRAINER_IMAGE", "SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE"),
+}
+
+
+def env_list(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """A comma-separated environment variable as its non-empty, stripped entries."""
+    return tuple(part.strip() for part in environ.get(name, "").split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class RunPolicy:
+    """The allow-lists, platform values included (:meth:`from_env`)."""
+
+    gcp_conn_ids: tuple[str, ...] = (DEFAULT_GCP_CONN_ID,)
+    kubeconfigs: tuple[str, ...] = ()
+    namespaces: tuple[str, ...] = ()
+    service_accounts: tuple[str, ...] = ()
+    dataflow_service_accounts: tuple[str, ...] = ()
+    images: tuple[str, ...] = ()  # repositories, or prefixes ending in "/"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RunPolicy:
+        environ = os.environ if environ is None else environ
+        found: dict[str, tuple[str, ...]] = {}
+        for field, name in ALLOW_ENV.items():
+            values = list(env_list(environ, name))
+            for platform in _PLATFORM_VALUE_ENV.get(field, ()):
+                value = environ.get(platform, "").strip()
+                if value and field == "images":
+                    value = image_repository(value) or value
+                if value:
+                    values.append(value)
+            if field == "gcp_conn_ids":
+                values.append(DEFAULT_GCP_CONN_ID)
+            found[field] = tuple(dict.fromkeys(values))
+        return cls(**found)
+
+    def image_allowed(self, image: str) -> bool:
+        repo = image_repository(image)
+        if repo is None:
+            return False
+        return any(
+            repo.startswith(entry) if entry.endswith("/") else repo == entry
+            for entry in self.images
+        )
+
+    def problems(self, params: Mapping[str, Any]) -> list[str]:
+        """Every form value the platform does not allow, as ``field: why`` sentences."""
+        out: list[str] = []
+
+        def refuse(field: str, value: object, allowed: tuple[str, ...], env: str) -> None:
+            shown = ", ".join(allowed) if allowed else "nothing"
+            out.append(
+                f"{field} {value!r} is not allowed by the platform (allowed: {shown}; an "
+                f"operator adds more in {env})"
+            )
+
+        gke = params.get("gke") or {}
+        if params.get("backend") == "gke":
+            checks = (
+                ("gcp_conn_id", "gcp_conn_ids"),
+                ("kubeconfig", "kubeconfigs"),
+                ("namespace", "namespaces"),
+                ("service_account", "service_accounts"),
+            )
+            for key, field in checks:
+                value = gke.get(key)
+                allowed = getattr(self, field)
+                if value not in (None, "") and value not in allowed:
+                    refuse(f"gke.{key}", value, allowed, ALLOW_ENV[field])
+            image = params.get("image")
+            if isinstance(image, str) and image_repository(image) and not self.image_allowed(image):
+                refuse("image", image, self.images, ALLOW_ENV["images"])
+        else:
+            # The local backend never uses them; a value here is a mistake, or a probe.
+            for key in ("kubeconfig", "gcp_conn_id"):
+                if gke.get(key) not in (None, ""):
+                    out.append(f"gke.{key}: only a backend=gke run names cluster credentials")
+        if params.get("runner") == "DataflowRunner":
+            dataflow = params.get("dataflow") or {}
+            account = dataflow.get("service_account")
+            if account not in (None, "") and account not in self.dataflow_service_accounts:
+                refuse(
+                    "dataflow.service_account",
+                    account,
+                    self.dataflow_service_accounts,
+                    ALLOW_ENV["dataflow_service_accounts"],
+                )
+            image = dataflow.get("sdk_container_image")
+            if isinstance(image, str) and image_repository(image) and not self.image_allowed(image):
+                refuse("dataflow.sdk_container_image", image, self.images, ALLOW_ENV["images"])
+        return out

@@ -1,0 +1,54 @@
+"""The pipeline's first task: every check of the run form, before any data is read.
+
+Airflow validates each Param against its JSON schema when the run is triggered; what a schema
+cannot say is checked here, in seconds (:func:`operators.params.check_run_config`): rules
+across fields, non-finite numbers, the data roots, credentials, identities and images the
+platform allows, every stage config, the TPU shape. A refused run is recorded in lineage
+(``validate`` FAILED, with the list of problems) like any other failure; ``slipway plan
+--conf`` runs the same checks from a shell.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators.beam_stage import GCP_CONN_ID, gcp_connection_project
+from operators.step_lineage import StepLineageMixin
+
+
+class ValidateRunOperator(StepLineageMixin, BaseOperator):
+    """:param gcp_conn_id: the GCP connection whose project is the Dataflow project's last
+    fallback (the Beam stages' connection), asked only for a DataflowRunner run."""
+
+    ui_color = "#ffe0e0"
+    template_fields = ("gcp_conn_id",)
+
+    def __init__(self, *, gcp_conn_id: str = GCP_CONN_ID, **kwargs: Any) -> None:
+        kwargs.setdefault("task_id", "validate")
+        super().__init__(**kwargs)
+        self.gcp_conn_id = gcp_conn_id
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        from operators.lineage import ExecutionState
+        from operators.params import check_run_config
+
+        params = self.run_params(context)
+        store = self.lineage_store()
+        try:
+            execution = store.start_execution(
+                "validate", run_id=context.get("run_id"), pipeline=self.dag_id
+            )
+            try:
+                check_run_config(
+                    params, connection_project=lambda: gcp_connection_project(self.gcp_conn_id)
+                )
+            except BaseException as exc:
+                store.finish_execution(execution, ExecutionState.FAILED, error=exc)
+                raise
+            store.finish_execution(execution)
+        finally:
+            store.close()
+        self.log.info("run form valid")
+        return {"valid": True}
