@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/
 DATA ?= data
 OUT ?= out
 
-.PHONY: install lock corpora demo demo-data airflow test lint format bench bench-pytorch clean
+.PHONY: install lock corpora browser demo demo-data airflow test lint format bench bench-pytorch clean
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,7 +72,17 @@ airflow: install
 		PATH="$(abspath $(VENV))/bin:$$PATH" AIRFLOW__CORE__PARALLELISM=$${AIRFLOW__CORE__PARALLELISM:-4} \
 		$(VENV)/bin/airflow standalone
 
-test: install
+# Debian's Chromium, for the UI tests (tests/e2e/test_airflow_ui.py drives it with Playwright;
+# Playwright's own browser download cannot work offline). From apt, as root or through sudo.
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@test -x $(CHROMIUM) || { echo "installing Debian's chromium (apt-get)"; \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null; }
+	@test -x $(CHROMIUM) || { echo "no Chromium at $(CHROMIUM)"; exit 1; }
+
+test: install browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest

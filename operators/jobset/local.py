@@ -18,7 +18,10 @@ trainer entrypoint run on a laptop and on GKE:
   entries and the JAX coordinator (worker 0 of slice 0) listens on a port nobody else uses.
 
 The image is ignored; ``python``/``python3`` as the command runs this interpreter. Each pod is
-its own process group, so stopping a pod stops everything it started.
+its own process group, so stopping a pod stops everything it started. A pod also gets SIGTERM
+when the process that runs the backend dies (Linux ``PR_SET_PDEATHSIG``), as a node's pods do
+when the node goes: an Airflow task killed with SIGKILL leaves no trainer behind writing into
+the step's output (the trainer checkpoints on SIGTERM, so the retry resumes from there).
 """
 
 from __future__ import annotations
@@ -71,6 +74,28 @@ _RESTART_ACTIONS = {"RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts", "FailJ
 
 class UnsupportedManifest(ValueError):
     """A manifest feature the local backend cannot reproduce faithfully (refused up front)."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGTERM the child when its parent dies (Linux);
+    None elsewhere. The signal follows the thread that forks, here the controller thread,
+    which lives as long as the pods it watches."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,6 +443,7 @@ class LocalRun:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # one stream per pod, like `kubectl logs`
             start_new_session=True,  # a process group per pod: signals reach its children
+            preexec_fn=_terminate_with_parent(),
         )
         pump = threading.Thread(target=self._pump, args=(pod.label, popen.stdout), daemon=True)
         pump.start()

@@ -7,6 +7,7 @@ its environment, fails on cue, or hangs, so each test checks one behaviour quick
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -356,3 +357,41 @@ def test_a_command_that_cannot_start_fails_the_run(fake):
     status = LocalBackend(lines, grace_period=0.5).run(spec.render(), timeout=20)
     assert status.terminal_state == "Failed" and status.reason == "ControllerError"
     assert "slipway-no-such-program" in status.message
+
+
+OWNER = r"""
+import json, sys
+from operators.jobset import LocalBackend
+manifest = json.loads(sys.argv[1])
+LocalBackend(lambda line: None, grace_period=1.0).run(manifest, timeout=60)
+"""
+
+
+def test_pods_get_sigterm_when_the_process_running_them_is_killed(fake, tmp_path):
+    """An Airflow task killed with SIGKILL runs no on_kill: its pods must not live on, writing
+    into the step's output while a retry starts new ones. Like pods on a node that went away,
+    they get SIGTERM (the trainer checkpoints and exits) from the kernel."""
+    import signal
+    import subprocess
+
+    manifest = launch(fake, "hang", topology="2")
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, json.dumps(manifest)])
+    pidfiles = [out(fake) / f"0-{i}.pids" for i in (0, 1)]
+    deadline = time.monotonic() + 30
+    while not all(p.exists() and p.read_text().strip() for p in pidfiles):
+        assert time.monotonic() < deadline and owner.poll() is None, "pods did not start"
+        time.sleep(0.05)
+    pods = [int(p.read_text().split()[0]) for p in pidfiles]
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=10)
+    # Worker 0 handles SIGTERM (records it, exits 42); worker 1 ignores it, as a stuck
+    # process would, and is left to the kernel: only the first must be gone.
+    deadline = time.monotonic() + 10
+    while _alive(pods[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pods[0]), "the pod outlived the process that ran it"
+    assert (out(fake) / "0-0.term").read_text().strip() == str(pods[0])
+    for pid in pods:  # tidy up what ignored SIGTERM, grandchildren included
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+                p.kill()
