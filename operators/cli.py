@@ -2,11 +2,14 @@
 
     slipway lineage runs  [--db URL]           list recorded runs, newest first
     slipway lineage show  RUN_ID [--db URL]    a run as a tree of steps and artifacts
-    slipway lineage trace URI [--db URL]       an artifact back to its raw inputs
+    slipway lineage trace URI [--version V] [--db URL]
+                                               an artifact (its latest version, or V)
+                                               back to its raw inputs
     slipway plan [--conf JSON|@FILE]           dry run: which steps a DAG run with this
                                                conf would run, skip (cache hit) or wait for
 
-The database is ``--db``, else ``$SLIPWAY_LINEAGE_DB``, else
+The database is ``--db``, else :func:`operators.lineage.lineage_url` (the resolver the
+operators, the listener and the run summary use too): ``$SLIPWAY_LINEAGE_DB``, else
 ``sqlite:///<$SLIPWAY_HOME or ./out>/lineage.db``. No Airflow import: it runs anywhere.
 """
 
@@ -36,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("run_id")
     trace = actions.add_parser("trace", parents=[db], help="trace an artifact to raw inputs")
     trace.add_argument("uri")
+    trace.add_argument(
+        "--version",
+        default=None,
+        help="which version of the artifact (a content id or step version; default: the latest)",
+    )
 
     plan = commands.add_parser(
         "plan", help="dry run of slipway_pipeline for a run conf: run / skip / wait, and why"
@@ -83,14 +91,20 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _lineage(args: argparse.Namespace) -> int:
-    from operators.lineage import render
-    from operators.lineage.store import LineageStore, NotFound, default_url
+    from sqlalchemy.exc import OperationalError
 
-    url = args.db or default_url()
+    from operators.lineage import render
+    from operators.lineage.store import LineageStore, NotFound
+    from operators.lineage.url import LineageConfigError, lineage_url, redacted
+
     try:
+        url = args.db or lineage_url()
         store = LineageStore(url, create=False)
-    except NotFound as exc:
+    except (NotFound, LineageConfigError) as exc:
         print(f"slipway: {exc.args[0]}", file=sys.stderr)
+        return 1
+    except OperationalError as exc:  # unreachable server, bad credentials
+        print(f"slipway: cannot open {redacted(url)}: {exc.orig}", file=sys.stderr)
         return 1
     with store:
         try:
@@ -99,7 +113,7 @@ def _lineage(args: argparse.Namespace) -> int:
             elif args.action == "show":
                 print(render.render_run(store.run_graph(args.run_id)))
             else:
-                print(render.render_trace(store.trace(args.uri)))
+                print(render.render_trace(store.trace(args.uri, args.version)))
         except NotFound as exc:
             print(f"slipway: {exc.args[0]}", file=sys.stderr)
             return 1

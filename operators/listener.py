@@ -15,8 +15,19 @@ task's own process), and each closes this task's RUNNING executions in the run:
 When the task reported itself (the usual case) nothing is RUNNING any more and the hooks change
 nothing. If the task's own process is still alive it may record its own ending afterwards
 (e.g. FAILED "JobSet cancelled"); ``properties.closed_by = "listener"`` and
-``properties.listener_reason`` keep what happened from outside. A listener must never break
-Airflow: every hook logs and swallows its errors.
+``properties.listener_reason`` keep what happened from outside. A hook only closes an
+execution that is still RUNNING when it writes (a conditional update): a step that reported
+itself a moment earlier keeps its own state.
+
+A listener must never break Airflow, so no hook raises into its dispatch. What it meets is
+sorted into:
+
+* expected, logged at DEBUG: no lineage database yet (a DAG that records none, a fresh
+  install), a run or task with nothing recorded or nothing RUNNING;
+* unexpected, logged at ERROR with a traceback and the context (hook, DAG run, task, try,
+  database without password): the database is unreachable, a misconfiguration (a remote
+  ``SLIPWAY_HOME`` without ``SLIPWAY_LINEAGE_DB``), a bug. The executions concerned stay as
+  they were; the DAG's ``record`` task still closes the run's RUNNING ones at its end.
 
 Registered by ``plugins/slipway_plugin.py`` (``AirflowPlugin.listeners``); Airflow loads it
 from ``AIRFLOW__CORE__PLUGINS_FOLDER`` (see docs/orchestration.md, "Listener").
@@ -38,23 +49,13 @@ log = logging.getLogger(__name__)
 
 def _store() -> Any:
     """The lineage store, or None where there is none yet: never create one for other DAGs."""
-    from operators.lineage import LineageStore, NotFound
-    from operators.settings import lineage_url
+    from operators.lineage import LineageStore, NotFound, lineage_url
 
     try:
         return LineageStore(lineage_url(), create=False)
-    except NotFound:
+    except NotFound as exc:  # expected: nothing has recorded lineage here yet
+        log.debug("slipway listener: %s: nothing to close", exc)
         return None
-
-
-def _running(store: Any, run_id: str) -> list[Any]:
-    from operators.lineage import ExecutionState, NotFound
-
-    try:
-        graph = store.run_graph(run_id)
-    except NotFound:  # nothing recorded for this run (failed before any step)
-        return []
-    return [n.execution for n in graph.steps if n.execution.state == ExecutionState.RUNNING]
 
 
 def _belongs_to(execution: Any, task_id: str, try_number: int | None) -> bool:
@@ -77,26 +78,41 @@ def close_task_executions(
     state: str,
     reason: str,
 ) -> list[int]:
-    """Close the task's RUNNING executions in ``run_id`` with ``state``; returns their ids."""
+    """Close the task's RUNNING executions in ``run_id`` with ``state``; returns their ids.
+
+    An execution that ends itself between the read and the write keeps its own state.
+    """
+    from operators.lineage import ExecutionState
+
     if not run_id or not task_id:
+        log.debug("slipway listener: no run or task id (%r, %r): nothing to close", run_id, task_id)
         return []
     store = _store()
     if store is None:
         return []
     try:
         closed = []
-        for ex in _running(store, run_id):
-            if _belongs_to(ex, task_id, try_number):
-                store.finish_execution(
-                    ex.id,
-                    state,
-                    error=reason,
-                    properties={"closed_by": "listener", "listener_reason": reason},
-                )
+        running = store.executions(run_id, state=ExecutionState.RUNNING)
+        for ex in running:
+            if _belongs_to(ex, task_id, try_number) and store.finish_execution(
+                ex.id,
+                state,
+                error=reason,
+                properties={"closed_by": "listener", "listener_reason": reason},
+                only_if_running=True,
+            ):
                 closed.append(ex.id)
         if closed:
             log.info(
                 "slipway listener: %s %s/%s -> %s (%s)", closed, run_id, task_id, state, reason
+            )
+        else:  # expected: the task reported itself, or the run recorded nothing
+            log.debug(
+                "slipway listener: %s/%s try %s: no RUNNING execution to close (%d in the run)",
+                run_id,
+                task_id,
+                try_number,
+                len(running),
             )
         return closed
     finally:
@@ -112,11 +128,34 @@ def _ti_fields(task_instance: Any) -> tuple[str | None, str | None, int | None]:
     )
 
 
-def _safely(what: str, fn: Any, *args: Any) -> None:
+def _database() -> str:
+    """The lineage database, password masked, for a log line (never raises)."""
+    try:
+        from operators.lineage.url import lineage_url, redacted
+
+        return redacted(lineage_url())
+    except Exception as exc:
+        return f"<unresolved: {exc}>"
+
+
+def _safely(hook: str, context: str, fn: Any, *args: Any) -> None:
+    """Run a hook's work; an unexpected error is logged with its context, never raised."""
     try:
         fn(*args)
-    except Exception:  # a listener must never fail the scheduler, the API or the task
-        log.exception("slipway listener: %s failed", what)
+    except Exception as exc:  # a listener must never fail the scheduler, the API or the task
+        log.exception(
+            "slipway listener: %s for %s could not update lineage in %s (%s: %s); "
+            "its executions stay as they were",
+            hook,
+            context,
+            _database(),
+            type(exc).__name__,
+            exc,
+        )
+
+
+def _ti_context(run_id: str | None, task_id: str | None, try_number: int | None) -> str:
+    return f"DAG run {run_id} task {task_id} try {try_number}"
 
 
 def _describe(error: Any) -> str:
@@ -135,6 +174,7 @@ def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Any)
     reason = f"task failed (from outside the task): {_describe(error)}"
     _safely(
         "on_task_instance_failed",
+        _ti_context(run_id, task_id, try_number),
         close_task_executions,
         run_id,
         task_id,
@@ -151,6 +191,7 @@ def on_task_instance_success(previous_state: Any, task_instance: Any) -> None:
     run_id, task_id, try_number = _ti_fields(task_instance)
     _safely(
         "on_task_instance_success",
+        _ti_context(run_id, task_id, try_number),
         close_task_executions,
         run_id,
         task_id,
@@ -167,6 +208,7 @@ def on_task_instance_skipped(previous_state: Any, task_instance: Any) -> None:
     run_id, task_id, try_number = _ti_fields(task_instance)
     _safely(
         "on_task_instance_skipped",
+        _ti_context(run_id, task_id, try_number),
         close_task_executions,
         run_id,
         task_id,
@@ -179,6 +221,7 @@ def on_task_instance_skipped(previous_state: Any, task_instance: Any) -> None:
 def _close_run(dag_run: Any, outcome: str, msg: Any) -> None:
     run_id = getattr(dag_run, "run_id", None)
     if not run_id:
+        log.debug("slipway listener: DAG run without a run id: nothing to close")
         return
     store = _store()
     if store is None:
@@ -189,15 +232,21 @@ def _close_run(dag_run: Any, outcome: str, msg: Any) -> None:
             log.info(
                 "slipway listener: run %s ended %s, %d execution(s) CANCELED", run_id, outcome, n
             )
+        else:
+            log.debug("slipway listener: run %s ended %s, nothing RUNNING", run_id, outcome)
     finally:
         store.close()
 
 
+def _run_context(dag_run: Any) -> str:
+    return f"DAG {getattr(dag_run, 'dag_id', None)} run {getattr(dag_run, 'run_id', None)}"
+
+
 @hookimpl
 def on_dag_run_success(dag_run: Any, msg: Any) -> None:
-    _safely("on_dag_run_success", _close_run, dag_run, "success", msg)
+    _safely("on_dag_run_success", _run_context(dag_run), _close_run, dag_run, "success", msg)
 
 
 @hookimpl
 def on_dag_run_failed(dag_run: Any, msg: Any) -> None:
-    _safely("on_dag_run_failed", _close_run, dag_run, "failed", msg)
+    _safely("on_dag_run_failed", _run_context(dag_run), _close_run, dag_run, "failed", msg)

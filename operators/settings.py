@@ -5,7 +5,9 @@ the metadata database on every parse):
 
 * storage root: ``$SLIPWAY_HOME``, else the Airflow Variable ``slipway_home``, else ``./out``
   (made absolute). Step outputs live under ``{root}/steps``; a ``gs://`` root works too.
-* lineage database: ``$SLIPWAY_LINEAGE_DB``, else ``sqlite:///{root}/lineage.db`` (local roots).
+* lineage database: ``$SLIPWAY_LINEAGE_DB``, else ``sqlite:///<$SLIPWAY_HOME or ./out>/lineage.db``
+  (:mod:`operators.lineage.url`, the one resolver: environment only, so the CLI and the
+  listener, which cannot read Variables, open the database the tasks write).
 * corpora: the run's ``data_dir`` param (at or below a root the platform allows:
   ``$SLIPWAY_ALLOWED_DATA_ROOTS``, the platform data dir and the storage root), else
   ``$SLIPWAY_DATA_DIR``, else ``./data``.
@@ -51,15 +53,15 @@ def steps_root() -> str:
 
 
 def lineage_url() -> str:
-    if url := os.environ.get(LINEAGE_ENV):
-        return url
-    root = storage_root()
-    if "://" in root:
-        raise RuntimeError(
-            f"storage root {root} is remote: set {LINEAGE_ENV} to a database URL "
-            "(Postgres / Cloud SQL in production)"
-        )
-    return f"sqlite:///{Path(root) / 'lineage.db'}"
+    """The lineage database URL: :func:`operators.lineage.lineage_url`, the one resolver.
+
+    From the environment only (``$SLIPWAY_LINEAGE_DB``, else ``sqlite:///<$SLIPWAY_HOME or
+    ./out>/lineage.db``), never from the Airflow Variable, so that the CLI and the listener,
+    which cannot read Variables, open the database the operators write.
+    """
+    from operators.lineage.url import lineage_url as resolve
+
+    return resolve()
 
 
 class DataDirNotAllowed(ValueError):

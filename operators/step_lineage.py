@@ -10,6 +10,11 @@ For each step a task runs:
    manifest), FAILED with the error (and whatever ``failure_properties`` adds, e.g. the last
    checkpoint), or CANCELED when Airflow terminated the task.
 
+Artifacts are recorded with the version of their content (:func:`input_fields`): outputs with
+the step's version, an upstream output read as input with the upstream step's version, a raw
+file read as input with its content id (what the ``fetch`` task recorded for it). A trace of
+a run's outputs therefore reaches the exact files that run read, not a later refetch.
+
 The same inputs and outputs feed the OpenLineage provider through
 ``get_openlineage_facets_on_start/complete/failure``.
 """
@@ -17,6 +22,7 @@ The same inputs and outputs feed the OpenLineage provider through
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +59,59 @@ def resolve_uri(uri: Any, root: str) -> str:
     return str(uri)
 
 
+def input_fields(ref: ArtifactRef) -> dict[str, Any]:
+    """``ref.fields`` plus the version of the content the step reads, when it is known.
+
+    An upstream step output is versioned by that step's version (as its producer records it);
+    a raw file by its content id (``operators.graph.content_id``, the same id its consumers'
+    step versions hash and the ``fetch`` task records; memoised, so no second read of a local
+    file). Anything else (a folder, a path that is not there) gets none: the store then links
+    the latest version recorded for the URI.
+    """
+    fields = dict(ref.fields)
+    if "version" in fields or "content_hash" in fields:
+        return fields
+    if isinstance(ref.uri, OutputRef):
+        fields["version"] = ref.uri.step.version
+        return fields
+    try:
+        from operators.graph import content_id
+
+        fields["content_hash"] = content_id(str(ref.uri))
+    except Exception as exc:  # a folder, a missing path, an unreachable store
+        log.debug("no content id for input %s: %s", ref.uri, exc)
+    return fields
+
+
+def _check_lineage_home() -> None:
+    """The storage root may come from the Airflow Variable ``slipway_home``; the lineage
+    database never does (the CLI and the listener cannot read it). Say so when they differ,
+    and refuse a remote root without a database URL (a SQLite file in a pod is lost)."""
+    from operators.lineage.url import HOME_ENV, LINEAGE_ENV, LineageConfigError, default_home
+
+    if os.environ.get(LINEAGE_ENV) or os.environ.get(HOME_ENV):
+        return
+    from operators.settings import storage_root
+
+    root = storage_root()
+    if root == default_home():
+        return
+    if "://" in root and not root.startswith("file://"):
+        raise LineageConfigError(
+            f"storage root {root} is remote: set {LINEAGE_ENV} to a database URL "
+            "(Postgres / Cloud SQL in production)"
+        )
+    log.warning(
+        "storage root %s comes from the Airflow Variable slipway_home, which `slipway lineage` "
+        "and the listener cannot read: lineage stays in %s/lineage.db. Set %s (or %s) in "
+        "the environment of every Airflow process.",
+        root,
+        default_home(),
+        HOME_ENV,
+        LINEAGE_ENV,
+    )
+
+
 def _terminated(exc: BaseException) -> bool:
     try:
         from airflow.sdk.exceptions import AirflowTaskTerminated
@@ -78,9 +137,11 @@ class StepLineageMixin:
 
     @staticmethod
     def lineage_store() -> Any:
-        from operators.lineage import LineageStore
-        from operators.settings import lineage_url
+        """The store at :func:`operators.lineage.lineage_url`: the database the listener, the
+        run summary and ``slipway lineage`` open under the same environment."""
+        from operators.lineage import LineageStore, lineage_url
 
+        _check_lineage_home()
         return LineageStore(lineage_url())
 
     @staticmethod
@@ -154,7 +215,7 @@ class StepLineageMixin:
         )
         for ref in inputs:
             store.record_input(
-                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **input_fields(ref)
             )
         return execution
 
@@ -185,12 +246,14 @@ class StepLineageMixin:
         complete_properties: Mapping[str, Any],
         root: str,
     ) -> None:
-        """COMPLETE with the outputs, or CACHED when nothing ran here."""
+        """COMPLETE with the outputs (versioned by the step's version), or CACHED when nothing
+        ran here (the same versions: a cache hit links the artifacts the first run made)."""
         from operators.lineage import ExecutionState
 
         for ref in outputs:
+            fields = {"version": result.spec.version, **ref.fields}
             store.record_output(
-                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **ref.fields
+                execution, resolve_uri(ref.uri, root), ref.type, role=ref.role, **fields
             )
         # WAITED: another runner computed it while we waited; either way nothing ran here.
         cached = result.outcome in (Outcome.CACHED, Outcome.WAITED)

@@ -11,8 +11,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from operators.lineage import ExecutionState, LineageStore
-from operators.settings import lineage_url, storage_root
+from operators.lineage import (
+    ExecutionState,
+    LineageConfigError,
+    LineageStore,
+    NotFound,
+    lineage_url,
+)
+from operators.lineage.url import redacted
+from operators.settings import storage_root
 
 PIPELINE = "slipway_pipeline"
 
@@ -23,7 +30,7 @@ def _num(value: object) -> str:
 
 def format_run(store: LineageStore, run_id: str) -> tuple[str, bool]:
     graph = store.run_graph(run_id)
-    lines = [f"run {run_id}  {graph.run.state}  (lineage: {lineage_url()})", ""]
+    lines = [f"run {run_id}  {graph.run.state}  (lineage: {store.display_url})", ""]
     header = f"{'step':<32}{'state':<10}{'in':>8}{'out':>8}{'dropped':>9}  drop reasons"
     lines += [header, "-" * len(header)]
     tokens, evals, train, outputs, failures = [], [], None, [], []
@@ -87,12 +94,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_id", nargs="?", help=f"default: the latest {PIPELINE} run")
     args = parser.parse_args(argv)
-    with LineageStore(lineage_url(), create=False) as store:
+    try:
+        store = LineageStore(lineage_url(), create=False)
+    except (NotFound, LineageConfigError) as exc:
+        print(f"slipway: {exc.args[0]}", file=sys.stderr)
+        return 1
+    with store:
         run_id = args.run_id
         if run_id is None:
             runs = [r for r in store.runs() if r.pipeline == PIPELINE]
             if not runs:
-                print(f"no {PIPELINE} run in {lineage_url()}", file=sys.stderr)
+                print(f"no {PIPELINE} run in {redacted(store.url)}", file=sys.stderr)
                 return 1
             run_id = runs[0].run_id
         text, failed = format_run(store, run_id)

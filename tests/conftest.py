@@ -26,9 +26,75 @@ def digest():
     return tree_digest
 
 
-@pytest.fixture(autouse=True)
-def _data_roots_allow_test_folders(tmp_path_factory, monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _data_roots_allow_test_folders(tmp_path_factory):
     """The test platform's data roots: pytest's temporary folders, where the tests put their
-    corpora (a run's data_dir must lie below a root the platform allows). Tests of that rule
-    set SLIPWAY_ALLOWED_DATA_ROOTS themselves."""
-    monkeypatch.setenv("SLIPWAY_ALLOWED_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))
+    corpora (a run's data_dir must lie below a root the platform allows). Session-wide, so the
+    environments module fixtures copy for subprocesses have it too; tests of that rule set
+    SLIPWAY_ALLOWED_DATA_ROOTS themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLIPWAY_ALLOWED_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))
+        yield
+
+
+# -- a real PostgreSQL server for the lineage store (pgserver: binaries in the wheel) ---------
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One PostgreSQL 16 server per test session, in a temporary folder, stopped at the end.
+
+    Never skipped: ``pgserver`` is a dev dependency, and production lineage is Postgres. A
+    server that cannot start fails the test that asked for it, with the reason and its log.
+    """
+    import atexit
+    import shutil
+    import tempfile
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # platformdirs: no XDG_RUNTIME_DIR in containers
+            warnings.simplefilter("ignore")
+            import pgserver
+    except ImportError as exc:  # pragma: no cover - a broken dev environment
+        pytest.fail(f"pgserver is a dev dependency (the Postgres lineage tests need it): {exc}")
+    # A short path: the server's unix socket lives in it (sun_path holds ~107 bytes).
+    pgdata = tempfile.mkdtemp(prefix="slipway-pg-")
+    try:
+        server = pgserver.get_server(pgdata, cleanup_mode="stop")
+    except Exception as exc:
+        log = Path(pgdata, "log")
+        tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no server log)"
+        shutil.rmtree(pgdata, ignore_errors=True)
+        pytest.fail(
+            f"could not start PostgreSQL with pgserver in {pgdata}: "
+            f"{type(exc).__name__}: {exc}\n{tail}",
+            pytrace=False,
+        )
+    try:
+        yield server
+    finally:
+        server.cleanup()
+        atexit.unregister(server._cleanup)  # done: it would log to pytest's closed streams
+        shutil.rmtree(pgdata, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server, request):
+    """A fresh, empty database on the session's server, as a SQLAlchemy (psycopg 3) URL.
+
+    Dropped afterwards (``WITH (FORCE)``: connections a failed test left open do not block it).
+    """
+    import re
+    import uuid
+
+    import psycopg
+
+    name = "t_" + re.sub(r"\W", "_", request.node.name.lower())[:40] + "_" + uuid.uuid4().hex[:8]
+    admin = postgres_server.get_uri()
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    uri = postgres_server.get_uri(database=name)
+    yield uri.replace("postgresql://", "postgresql+psycopg://", 1)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

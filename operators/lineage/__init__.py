@@ -15,8 +15,8 @@ from operators.lineage.store import (
     RunSummary,
     StepNode,
     TraceNode,
-    default_url,
 )
+from operators.lineage.url import LineageConfigError, lineage_url
 from operators.lineage.version import code_version, container_image
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "EventType",
     "ExecutionRecord",
     "ExecutionState",
+    "LineageConfigError",
     "LineageError",
     "LineageStore",
     "Linked",
@@ -36,5 +37,5 @@ __all__ = [
     "TraceNode",
     "code_version",
     "container_image",
-    "default_url",
+    "lineage_url",
 ]

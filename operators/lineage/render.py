@@ -37,8 +37,22 @@ def _counts(artifact: ArtifactRecord) -> str:
     return f"  ({shown})" if shown else ""
 
 
+def _version(artifact: ArtifactRecord) -> str:
+    """`` @sha256:1a2b3c4d5e6f``: which content of the URI this is (a refetch is another).
+
+    Step outputs are versioned by their step, whose hash their path already shows: no tag.
+    """
+    version = artifact.version
+    if not version:
+        return ""
+    algo, _, digest = version.rpartition(":")
+    if not algo and digest[:8] in artifact.uri:
+        return ""
+    return f" @{algo}:{digest[:12]}" if algo else f" @{digest[:12]}"
+
+
 def _artifact(artifact: ArtifactRecord) -> str:
-    return f"{artifact.type} {artifact.uri}{_counts(artifact)}"
+    return f"{artifact.type} {artifact.uri}{_version(artifact)}{_counts(artifact)}"
 
 
 def _execution(record: ExecutionRecord) -> str:

@@ -130,16 +130,22 @@ class Execution(Base):
 
 
 class Artifact(Base):
-    """One URI, one row: content-addressed outputs do not change under a URI once SUCCESS.
+    """One version of what lives at a URI: ``(uri, version)`` is the artifact's identity.
 
-    A rewrite (a FAILED attempt's partial output, then a successful rerun) updates the row:
-    the content hash says which content it is now.
+    The version names the content: a content id (the sha256 of a raw corpus file, the same
+    ``content_id`` its step version hashes) or, for a step output, the producing step's version
+    (outputs are content-addressed by it). A URI rewritten with new bytes (a refetch) is a new
+    artifact; the same content recorded again (a cache hit, a refetch of the same bytes) is the
+    same row. Events point at the exact version a consumer read, so a trace follows it and not
+    whatever was recorded at that URI later. ``""``: recorded without a version.
     """
 
     __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("uri", "version", name="uq_artifacts_uri_version"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    uri: Mapped[str] = mapped_column(String(2048), unique=True)
+    uri: Mapped[str] = mapped_column(String(2048))
+    version: Mapped[str] = mapped_column(String(128), default="", server_default="")
     type: Mapped[str] = mapped_column(String(64))
     content_hash: Mapped[str | None] = mapped_column(String(128))
     counts: Mapped[dict[str, Any] | None] = mapped_column(JSON)

@@ -3,21 +3,50 @@
 SQLite by default (one file, several writer processes: WAL + busy timeout + ``BEGIN
 IMMEDIATE``), Postgres / Cloud SQL in production through the same code. Reads return frozen
 records, never live ORM objects, so callers cannot hold sessions open by accident.
+
+Concurrent writers (tasks, the listener in the API server and the scheduler) never lose or
+duplicate a record, on either database:
+
+* rows that several writers may create at once (contexts, their parents, attributions, events,
+  an artifact version) are inserted with ``INSERT ... ON CONFLICT DO NOTHING`` and then read
+  back, so the loser of a race uses the winner's row instead of failing;
+* read-modify-write of one row (an execution's properties, an artifact's fields) locks it first
+  (``SELECT ... FOR UPDATE`` on Postgres; SQLite's ``BEGIN IMMEDIATE`` serializes writers);
+* "close it if it is still RUNNING" (the listener, ``cancel_running``) is one conditional
+  ``UPDATE ... WHERE state = 'RUNNING'``, which Postgres re-checks against the row's latest
+  version: a step's own COMPLETE committed meanwhile is never overwritten;
+* a transaction that Postgres rolls back as a serialization failure or a deadlock is retried
+  whole (a few times, with jittered backoff). Connection errors are not retried: the commit
+  may have happened, and a replayed ``start_execution`` would duplicate the execution.
+
+Postgres runs at READ COMMITTED (set on the engine, whatever the server default).
 """
 
 from __future__ import annotations
 
-import os
+import logging
+import random
+import time
 import traceback as tb
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, func, select
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import (
+    Connection,
+    Engine,
+    MetaData,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+    update,
+)
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
 from operators.lineage import version as _version
@@ -35,9 +64,21 @@ from operators.lineage.schema import (
     utcnow,
 )
 from operators.lineage.schema import Event as EventRow
+from operators.lineage.url import lineage_url, redacted
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TRACEBACK_TAIL_CHARS = 8000  # the failing frames, not a megabyte of recursion
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# SQLSTATEs with which Postgres rolls back a transaction that lost a race it could not order:
+# serialization_failure, deadlock_detected. The whole transaction is safe to run again.
+RETRY_SQLSTATES = frozenset({"40001", "40P01"})
+WRITE_ATTEMPTS = 6
+_RETRY_FIRST_DELAY_S = 0.02
+# pg_advisory_xact_lock key: one process at a time creates or upgrades the schema.
+_SCHEMA_LOCK_KEY = 0x51_1F_3A_7E
 
 # Whichever state wins when a run's executions disagree: a run is as bad as its worst step.
 _RUN_STATE_PRECEDENCE = (
@@ -47,7 +88,7 @@ _RUN_STATE_PRECEDENCE = (
     ExecutionState.COMPLETE,
     ExecutionState.CACHED,
 )
-# Which producer of an artifact to trace through: the one that really made it first.
+# Which producer of an artifact to trace through: the one that really made it.
 _PRODUCER_PREFERENCE = {
     ExecutionState.COMPLETE: 0,
     ExecutionState.CACHED: 1,
@@ -65,14 +106,6 @@ class NotFound(LineageError, KeyError):
     pass
 
 
-def default_url() -> str:
-    """``SLIPWAY_LINEAGE_DB``, else ``sqlite:///<SLIPWAY_HOME or ./out>/lineage.db``."""
-    if url := os.environ.get("SLIPWAY_LINEAGE_DB"):
-        return url
-    home = Path(os.environ.get("SLIPWAY_HOME") or "out").absolute()
-    return f"sqlite:///{home / 'lineage.db'}"
-
-
 def sqlite_path(url: str) -> Path | None:
     """The file behind a ``sqlite:///`` URL (None for other databases and ``:memory:``)."""
     if not url.startswith("sqlite:///"):
@@ -88,6 +121,7 @@ def sqlite_path(url: str) -> Path | None:
 class ArtifactRecord:
     id: int
     uri: str
+    version: str  # what content this is ("" when recorded without one): see schema.Artifact
     type: str
     content_hash: str | None
     counts: Mapping[str, Any] | None
@@ -170,6 +204,7 @@ def _artifact_record(row: Artifact) -> ArtifactRecord:
     return ArtifactRecord(
         id=row.id,
         uri=row.uri,
+        version=row.version or "",
         type=row.type,
         content_hash=row.content_hash,
         counts=row.counts,
@@ -202,10 +237,15 @@ def _execution_record(row: Execution) -> ExecutionRecord:
 
 
 class LineageStore:
-    """``LineageStore(url)``; the schema is created on first use unless ``create=False``."""
+    """``LineageStore(url)``; the schema is created on first use unless ``create=False``.
+
+    ``url`` defaults to :func:`operators.lineage.url.lineage_url`. With ``create=False`` (the
+    CLI, the listener) a missing database (no SQLite file, no lineage tables) raises
+    :class:`NotFound` instead of creating one.
+    """
 
     def __init__(self, url: str | None = None, *, create: bool = True) -> None:
-        self.url = url or default_url()
+        self.url = url or lineage_url()
         path = sqlite_path(self.url)
         if path is not None:
             if not create and not path.exists():
@@ -216,8 +256,19 @@ class LineageStore:
         self._read_engine = self.engine.execution_options(slipway_begin="DEFERRED")
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self._read_engine, expire_on_commit=False)
-        if create:
-            _create_schema(self.engine)
+        try:
+            if create:
+                _create_schema(self.engine, self._read_engine)
+            else:
+                _open_schema(self.engine, self._read_engine, self.url)
+        except BaseException:
+            self.engine.dispose()
+            raise
+
+    @property
+    def display_url(self) -> str:
+        """The URL with its password masked (for logs)."""
+        return redacted(self.url)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -228,10 +279,26 @@ class LineageStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def _write(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
-            yield session
+    def _transact(self, work: Callable[[Session], T]) -> T:
+        """Run ``work`` in one write transaction, again if Postgres rolled it back in a race."""
+        delay = _RETRY_FIRST_DELAY_S
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
+            try:
+                with self._sessions.begin() as session:
+                    return work(session)
+            except DBAPIError as exc:
+                code = _sqlstate(exc)
+                if attempt == WRITE_ATTEMPTS or code not in RETRY_SQLSTATES:
+                    raise
+                log.info(
+                    "lineage: transaction rolled back (SQLSTATE %s), retry %d of %d",
+                    code,
+                    attempt,
+                    WRITE_ATTEMPTS - 1,
+                )
+                time.sleep(delay * (1 + random.random()))
+                delay *= 2
+        raise AssertionError("unreachable")
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
@@ -259,24 +326,29 @@ class LineageStore:
         The execution joins the contexts pipeline, dag_run and step (``name`` + version), which
         are created on first sight. Returns the execution id.
         """
-        with self._write() as session:
-            row = Execution(
-                name=name,
-                run_id=run_id,
-                step_version=step_version,
-                state=str(state),
-                started_at=started_at or utcnow(),
-                code_version=code_version or _version.code_version(),
-                container_image=container_image or _version.container_image(),
-                properties=dict(properties or {}),
-            )
+        values = {
+            "name": name,
+            "run_id": run_id,
+            "step_version": step_version,
+            "state": str(state),
+            "started_at": started_at or utcnow(),
+            "code_version": code_version or _version.code_version(),
+            "container_image": container_image or _version.container_image(),
+            "properties": dict(properties or {}),
+        }
+
+        def work(session: Session) -> int:
+            row = Execution(**values)
             session.add(row)
             session.flush()
-            for context_id in self._contexts_for(
+            contexts = self._contexts_for(
                 session, name, run_id, pipeline, step_version, run_properties
-            ):
+            )
+            for context_id in dict.fromkeys(contexts):
                 session.add(Association(context_id=context_id, execution_id=row.id))
             return row.id
+
+        return self._transact(work)
 
     def finish_execution(
         self,
@@ -287,46 +359,65 @@ class LineageStore:
         traceback: str | None = None,
         properties: Mapping[str, Any] | None = None,
         ended_at: datetime | None = None,
-    ) -> None:
-        """Close an execution. ``error`` may be the exception: its traceback tail is kept."""
+        only_if_running: bool = False,
+    ) -> bool:
+        """Close an execution. ``error`` may be the exception: its traceback tail is kept.
+
+        ``only_if_running``: leave an execution that has already ended alone (someone who
+        closes executions from outside, like the listener, must not overwrite the step's own
+        report). Returns whether the execution was changed.
+        """
         state = ExecutionState(state)
         if state is ExecutionState.RUNNING:
             raise ValueError("finish_execution needs a terminal state")
         if isinstance(error, BaseException):
             traceback = traceback or "".join(tb.format_exception(error))
             error = f"{type(error).__name__}: {error}"
-        with self._write() as session:
-            row = session.get(Execution, execution_id)
+        ended = ended_at or utcnow()
+
+        def work(session: Session) -> bool:
+            # Locked: the properties merge below must not lose a concurrent writer's keys.
+            row = session.get(Execution, execution_id, with_for_update=True)
             if row is None:
                 raise NotFound(f"no execution {execution_id}")
+            if only_if_running and row.state != ExecutionState.RUNNING:
+                return False
             row.state = str(state)
-            row.ended_at = ended_at or utcnow()
+            row.ended_at = ended
             row.error = error
             row.traceback = traceback[-TRACEBACK_TAIL_CHARS:] if traceback else None
             if properties:
                 row.properties = {**(row.properties or {}), **properties}
+            return True
+
+        return self._transact(work)
 
     def cancel_running(self, run_id: str, reason: str = "run ended with this step running") -> int:
         """Mark every still-RUNNING execution of a run CANCELED.
 
         For the gap that callbacks leave: a task killed from outside never reports. The DAG's
-        final ``all_done`` task (or a listener) calls this. Returns how many were closed.
+        final ``all_done`` task (or a listener) calls this. Returns how many were closed; an
+        execution that ends itself meanwhile keeps its own state.
         """
-        with self._write() as session:
-            rows = session.scalars(
-                select(Execution).where(
-                    Execution.run_id == run_id, Execution.state == str(ExecutionState.RUNNING)
-                )
-            ).all()
-            for row in rows:
-                row.state, row.ended_at, row.error = str(ExecutionState.CANCELED), utcnow(), reason
-            return len(rows)
+        now = utcnow()
+
+        def work(session: Session) -> int:
+            result = session.execute(
+                update(Execution)
+                .where(Execution.run_id == run_id, Execution.state == str(ExecutionState.RUNNING))
+                .values(state=str(ExecutionState.CANCELED), ended_at=now, error=reason)
+                .execution_options(synchronize_session=False)
+            )
+            return int(result.rowcount or 0)
+
+        return self._transact(work)
 
     def record_artifact(
         self,
         uri: str,
         type: str,
         *,
+        version: str | None = None,
         content_hash: str | None = None,
         counts: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
@@ -334,35 +425,18 @@ class LineageStore:
         container_image: str | None = None,
         properties: Mapping[str, Any] | None = None,
     ) -> int:
-        """Create or update the artifact at ``uri`` (fields given as None are kept). Returns its id."""
-        fields = {
-            "type": str(type),
-            "content_hash": content_hash,
-            "counts": dict(counts) if counts is not None else None,
-            "config": dict(config) if config is not None else None,
-            "code_version": code_version,
-            "container_image": container_image,
-            "properties": dict(properties) if properties is not None else None,
-        }
-        for attempt in range(2):
-            try:
-                with self._write() as session:
-                    row = session.scalar(select(Artifact).where(Artifact.uri == uri))
-                    if row is None:
-                        row = Artifact(uri=uri, properties={})
-                        session.add(row)
-                    for key, value in fields.items():
-                        if value is not None:
-                            setattr(row, key, value)
-                    row.updated_at = utcnow()
-                    session.flush()
-                    return row.id
-            except IntegrityError:
-                # Another writer inserted the same URI between our select and insert (possible
-                # on Postgres; SQLite's BEGIN IMMEDIATE serializes): update its row instead.
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        """Create or update one version of the artifact at ``uri``. Returns its id.
+
+        The version is ``version``, else ``content_hash``: the same content recorded again is
+        the same artifact (fields given as None are kept), new content at the same URI is a new
+        one. With neither, the latest recorded version of ``uri`` is updated (or an unversioned
+        one created).
+        """
+        fields = _artifact_fields(
+            type, content_hash, counts, config, code_version, container_image, properties
+        )
+        key = version if version is not None else content_hash
+        return self._transact(lambda session: _upsert_artifact(session, uri, key, fields).id)
 
     def link(
         self,
@@ -371,52 +445,103 @@ class LineageStore:
         type: EventType | str,
         *,
         role: str | None = None,
+        version: str | None = None,
     ) -> None:
-        """An INPUT or OUTPUT event; the artifact also joins the execution's contexts."""
+        """An INPUT or OUTPUT event; the artifact also joins the execution's contexts.
+
+        ``artifact``: an id, or a URI (its ``version``, else its latest recorded version).
+        """
         kind = EventType(type)
-        with self._write() as session:
-            artifact_id = self._artifact_id(session, artifact)
-            exists = session.scalar(
-                select(EventRow.id).where(
-                    EventRow.execution_id == execution_id,
-                    EventRow.artifact_id == artifact_id,
-                    EventRow.type == str(kind),
-                )
-            )
-            if exists is None:
-                session.add(
-                    EventRow(
-                        execution_id=execution_id,
-                        artifact_id=artifact_id,
-                        type=str(kind),
-                        role=role,
-                    )
-                )
-            contexts = session.scalars(
-                select(Association.context_id).where(Association.execution_id == execution_id)
-            ).all()
-            attributed = set(
-                session.scalars(
-                    select(Attribution.context_id).where(Attribution.artifact_id == artifact_id)
-                ).all()
-            )
-            for context_id in set(contexts) - attributed:
-                session.add(Attribution(context_id=context_id, artifact_id=artifact_id))
 
-    def record_input(self, execution_id: int, uri: str, type: str, **fields: Any) -> int:
-        artifact_id = self.record_artifact(uri, type, **_without(fields, "role"))
-        self.link(execution_id, artifact_id, EventType.INPUT, role=fields.get("role"))
-        return artifact_id
+        def work(session: Session) -> None:
+            artifact_id = self._artifact_id(session, artifact, version)
+            _link(session, execution_id, artifact_id, kind, role)
 
-    def record_output(self, execution_id: int, uri: str, type: str, **fields: Any) -> int:
+        self._transact(work)
+
+    def record_input(
+        self,
+        execution_id: int,
+        uri: str,
+        type: str,
+        *,
+        role: str | None = None,
+        version: str | None = None,
+        **fields: Any,
+    ) -> int:
+        """The execution read this version of ``uri`` (artifact and INPUT event, one transaction).
+
+        Give the version it read (``version``, or ``content_hash``: a content id); without one
+        it links to the latest version recorded so far, which is what was there when it read.
+        """
+        return self._record_io(execution_id, uri, type, EventType.INPUT, role, version, fields)
+
+    def record_output(
+        self,
+        execution_id: int,
+        uri: str,
+        type: str,
+        *,
+        role: str | None = None,
+        version: str | None = None,
+        **fields: Any,
+    ) -> int:
         """Record an artifact the execution produced; it inherits the execution's code
-        version and container image unless given."""
-        producer = self.execution(execution_id)
-        fields.setdefault("code_version", producer.code_version)
-        fields.setdefault("container_image", producer.container_image)
-        artifact_id = self.record_artifact(uri, type, **_without(fields, "role"))
-        self.link(execution_id, artifact_id, EventType.OUTPUT, role=fields.get("role"))
-        return artifact_id
+        version and container image unless given. ``version`` as in :meth:`record_artifact`
+        (step outputs: the step's version)."""
+        return self._record_io(execution_id, uri, type, EventType.OUTPUT, role, version, fields)
+
+    def _record_io(
+        self,
+        execution_id: int,
+        uri: str,
+        type: str,
+        kind: EventType,
+        role: str | None,
+        version: str | None,
+        fields: Mapping[str, Any],
+    ) -> int:
+        given = {"content_hash": None, "counts": None, "config": None, **fields}
+        unknown = set(given) - {
+            "content_hash",
+            "counts",
+            "config",
+            "code_version",
+            "container_image",
+            "properties",
+        }
+        if unknown:
+            raise TypeError(f"unknown artifact fields: {sorted(unknown)}")
+        key = version if version is not None else given["content_hash"]
+
+        def work(session: Session) -> int:
+            values = dict(given)
+            if kind is EventType.OUTPUT:
+                producer = session.get(Execution, execution_id)
+                if producer is None:
+                    raise NotFound(f"no execution {execution_id}")
+                if values.get("code_version") is None:
+                    values["code_version"] = producer.code_version
+                if values.get("container_image") is None:
+                    values["container_image"] = producer.container_image
+            artifact = _upsert_artifact(
+                session,
+                uri,
+                key,
+                _artifact_fields(
+                    type,
+                    values["content_hash"],
+                    values["counts"],
+                    values["config"],
+                    values.get("code_version"),
+                    values.get("container_image"),
+                    values.get("properties"),
+                ),
+            )
+            _link(session, execution_id, artifact.id, kind, role)
+            return artifact.id
+
+        return self._transact(work)
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -427,12 +552,32 @@ class LineageStore:
                 raise NotFound(f"no execution {execution_id}")
             return _execution_record(row)
 
-    def artifact(self, uri: str) -> ArtifactRecord:
+    def executions(
+        self, run_id: str, state: ExecutionState | str | None = None
+    ) -> list[ExecutionRecord]:
+        """The run's executions in start order (those in ``state`` only); [] for an unknown run."""
+        query = select(Execution).where(Execution.run_id == run_id)
+        if state is not None:
+            query = query.where(Execution.state == str(ExecutionState(state)))
         with self._read() as session:
-            row = session.scalar(select(Artifact).where(Artifact.uri == uri))
+            rows = session.scalars(query.order_by(Execution.started_at, Execution.id)).all()
+            return [_execution_record(r) for r in rows]
+
+    def artifact(self, uri: str, version: str | None = None) -> ArtifactRecord:
+        """The artifact at ``uri``: that ``version``, else the latest recorded one."""
+        with self._read() as session:
+            row = _find_artifact(session, uri, version)
             if row is None:
-                raise NotFound(f"no artifact {uri}")
+                raise NotFound(_no_artifact(uri, version))
             return _artifact_record(row)
+
+    def artifact_versions(self, uri: str) -> list[ArtifactRecord]:
+        """Every recorded version of ``uri``, oldest first."""
+        with self._read() as session:
+            rows = session.scalars(
+                select(Artifact).where(Artifact.uri == uri).order_by(Artifact.id)
+            ).all()
+            return [_artifact_record(r) for r in rows]
 
     def runs(self) -> list[RunSummary]:
         """Every DAG run with executions, newest first."""
@@ -487,34 +632,44 @@ class LineageStore:
             steps=tuple(StepNode(r, tuple(inputs[r.id]), tuple(outputs[r.id])) for r in records),
         )
 
-    def trace(self, uri: str) -> TraceNode:
-        """Walk OUTPUT events back to producers and their INPUT events, down to raw inputs."""
-        with self._read() as session:
-            row = session.scalar(select(Artifact).where(Artifact.uri == uri))
-            if row is None:
-                raise NotFound(f"no artifact {uri}")
-            return self._trace(session, row, frozenset())
+    def trace(self, uri: str, version: str | None = None) -> TraceNode:
+        """Walk back from an artifact (that ``version``, else the latest) to its raw inputs.
 
-    def _trace(self, session: Session, artifact: Artifact, path: frozenset[int]) -> TraceNode:
+        Each step goes from an artifact to its producer, then to the exact versions that
+        producer read (its INPUT events). The producer of an artifact read by a consumer is
+        one whose OUTPUT event was recorded *before* the consumer's INPUT event: what was
+        there when it read, never a later run that re-recorded the same content. Among those
+        (and for the starting artifact, among all) a COMPLETE producer beats a cache hit, then
+        the most recent one wins. Event ids, not clocks, order the events.
+        """
+        with self._read() as session:
+            row = _find_artifact(session, uri, version)
+            if row is None:
+                raise NotFound(_no_artifact(uri, version))
+            return self._trace(session, row, None, frozenset())
+
+    def _trace(
+        self, session: Session, artifact: Artifact, read_event: int | None, path: frozenset[int]
+    ) -> TraceNode:
         record = _artifact_record(artifact)
         if artifact.id in path:  # a cycle in recorded events: stop rather than recurse forever
             return TraceNode(record, None, ())
-        producers = session.scalars(
-            select(Execution)
+        query = (
+            select(Execution, EventRow.id)
             .join(EventRow, EventRow.execution_id == Execution.id)
             .where(EventRow.artifact_id == artifact.id, EventRow.type == str(EventType.OUTPUT))
-        ).all()
+        )
+        if read_event is not None:
+            query = query.where(EventRow.id < read_event)
+        producers = session.execute(query).all()
         if not producers:
             return TraceNode(record, None, ())
-        producer = min(
+        producer, _ = min(
             producers,
-            key=lambda e: (
-                _PRODUCER_PREFERENCE[ExecutionState(e.state)],
-                -(e.ended_at or e.started_at).timestamp(),
-            ),
+            key=lambda p: (_PRODUCER_PREFERENCE[ExecutionState(p[0].state)], -p[1]),
         )
-        inputs = session.scalars(
-            select(Artifact)
+        inputs = session.execute(
+            select(Artifact, EventRow.id)
             .join(EventRow, EventRow.artifact_id == Artifact.id)
             .where(EventRow.execution_id == producer.id, EventRow.type == str(EventType.INPUT))
             .order_by(EventRow.id)
@@ -523,18 +678,18 @@ class LineageStore:
         return TraceNode(
             record,
             _execution_record(producer),
-            tuple(self._trace(session, a, nested) for a in inputs),
+            tuple(self._trace(session, a, event_id, nested) for a, event_id in inputs),
         )
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _artifact_id(self, session: Session, artifact: int | str) -> int:
+    def _artifact_id(self, session: Session, artifact: int | str, version: str | None) -> int:
         if isinstance(artifact, int):
             return artifact
-        found = session.scalar(select(Artifact.id).where(Artifact.uri == artifact))
+        found = _find_artifact(session, artifact, version)
         if found is None:
-            raise NotFound(f"no artifact {artifact}: record_artifact() it first")
-        return found
+            raise NotFound(f"{_no_artifact(artifact, version)}: record_artifact() it first")
+        return found.id
 
     def _contexts_for(
         self,
@@ -545,6 +700,7 @@ class LineageStore:
         step_version: str | None,
         run_properties: Mapping[str, Any] | None,
     ) -> list[int]:
+        # Always in this order (pipeline, run, step): concurrent creators wait, never deadlock.
         ids: list[int] = []
         pipeline_id = None
         if pipeline:
@@ -571,6 +727,128 @@ class LineageStore:
         return dict(session.execute(query).tuples().all())
 
 
+# -- writing helpers (inside a transaction) ---------------------------------------------------------
+
+
+def _insert_ignore(
+    session: Session, model: type[Base], values: Mapping[str, Any], keys: Iterable[str]
+) -> None:
+    """``INSERT ... ON CONFLICT (keys) DO NOTHING``: the row exists afterwards, whoever made it.
+
+    Postgres waits for a concurrent inserter of the same key to commit (then does nothing) or
+    roll back (then inserts). Other databases get a savepoint that swallows the conflict.
+    """
+    table = model.__table__
+    dialect = session.get_bind().dialect.name
+    if dialect in ("postgresql", "sqlite"):
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        session.execute(
+            insert(table).values(**values).on_conflict_do_nothing(index_elements=list(keys))
+        )
+        return
+    try:  # pragma: no cover - neither SQLite nor Postgres
+        with session.begin_nested():
+            session.execute(table.insert().values(**values))
+    except IntegrityError:  # pragma: no cover
+        pass
+
+
+def _artifact_fields(
+    type: str,
+    content_hash: str | None,
+    counts: Mapping[str, Any] | None,
+    config: Mapping[str, Any] | None,
+    code_version: str | None,
+    container_image: str | None,
+    properties: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "type": str(type),
+        "content_hash": content_hash,
+        "counts": dict(counts) if counts is not None else None,
+        "config": dict(config) if config is not None else None,
+        "code_version": code_version,
+        "container_image": container_image,
+        "properties": dict(properties) if properties is not None else None,
+    }
+
+
+def _upsert_artifact(
+    session: Session, uri: str, version: str | None, fields: Mapping[str, Any]
+) -> Artifact:
+    """The ``(uri, version)`` row, created if new, with the non-None ``fields`` set (locked).
+
+    ``version`` None: the latest version of ``uri``, or a new unversioned (``""``) one.
+    """
+    row = None
+    if version is None:
+        row = session.scalar(
+            select(Artifact)
+            .where(Artifact.uri == uri)
+            .order_by(Artifact.id.desc())
+            .limit(1)
+            .with_for_update()
+        )
+        version = ""
+    if row is None:
+        _insert_ignore(
+            session,
+            Artifact,
+            {"uri": uri, "version": version, "type": fields["type"], "properties": {}},
+            ("uri", "version"),
+        )
+        row = session.scalar(
+            select(Artifact)
+            .where(Artifact.uri == uri, Artifact.version == version)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+        if row is None:  # pragma: no cover - the insert above guarantees the row
+            raise LineageError(f"artifact {uri} version {version!r} vanished")
+    for key, value in fields.items():
+        if value is not None:
+            setattr(row, key, value)
+    row.updated_at = utcnow()
+    session.flush()
+    return row
+
+
+def _link(
+    session: Session, execution_id: int, artifact_id: int, kind: EventType, role: str | None
+) -> None:
+    _insert_ignore(
+        session,
+        EventRow,
+        {"execution_id": execution_id, "artifact_id": artifact_id, "type": str(kind), "role": role},
+        ("execution_id", "artifact_id", "type"),
+    )
+    contexts = session.scalars(
+        select(Association.context_id).where(Association.execution_id == execution_id)
+    ).all()
+    # Sorted: two writers attributing one artifact to the same contexts never deadlock.
+    for context_id in sorted(set(contexts)):
+        _insert_ignore(
+            session,
+            Attribution,
+            {"context_id": context_id, "artifact_id": artifact_id},
+            ("context_id", "artifact_id"),
+        )
+
+
+def _find_artifact(session: Session, uri: str, version: str | None) -> Artifact | None:
+    query = select(Artifact).where(Artifact.uri == uri)
+    if version is not None:
+        query = query.where(Artifact.version == version)
+    return session.scalar(query.order_by(Artifact.id.desc()).limit(1))
+
+
+def _no_artifact(uri: str, version: str | None) -> str:
+    return f"no artifact {uri}" + (f" version {version}" if version is not None else "")
+
+
 def _context(
     session: Session,
     type: ContextType,
@@ -578,16 +856,38 @@ def _context(
     parent_id: int | None = None,
     properties: Mapping[str, Any] | None = None,
 ) -> int:
-    found = session.scalar(select(Context).where(Context.type == str(type), Context.name == name))
-    if found is None:
-        found = Context(type=str(type), name=name, properties=dict(properties or {}))
-        session.add(found)
-        session.flush()
-    elif properties:
-        found.properties = {**(found.properties or {}), **properties}
-    if parent_id is not None and session.get(ContextParent, (found.id, parent_id)) is None:
-        session.add(ContextParent(child_id=found.id, parent_id=parent_id))
+    _insert_ignore(
+        session,
+        Context,
+        {"type": str(type), "name": name, "properties": dict(properties or {})},
+        ("type", "name"),
+    )
+    query = select(Context).where(Context.type == str(type), Context.name == name)
+    if properties:  # merged below: lock the row
+        query = query.with_for_update()
+    found = session.scalar(query.execution_options(populate_existing=True))
+    if found is None:  # pragma: no cover - the insert above guarantees the row
+        raise LineageError(f"context {type} {name} vanished")
+    if properties:
+        merged = {**(found.properties or {}), **properties}
+        if merged != found.properties:
+            found.properties = merged
+    if parent_id is not None:
+        _insert_ignore(
+            session,
+            ContextParent,
+            {"child_id": found.id, "parent_id": parent_id},
+            ("child_id", "parent_id"),
+        )
     return found.id
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    orig = exc.orig
+    return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
+# -- reading helpers ------------------------------------------------------------------------------
 
 
 def _summary(
@@ -606,9 +906,7 @@ def _summary(
 
 
 def _utc(value: datetime | None) -> datetime | None:
-    # Aggregates (min/max) bypass the column type, so SQLite hands back naive datetimes.
-    from datetime import UTC
-
+    # Aggregates (min/max) bypass the column type, so SQLite and Postgres hand back naive ones.
     if value is None:
         return None
     if isinstance(value, str):
@@ -616,15 +914,14 @@ def _utc(value: datetime | None) -> datetime | None:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
-def _without(fields: Mapping[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if k not in keys}
-
-
-# -- engine -------------------------------------------------------------------------------------
+# -- engine and schema ------------------------------------------------------------------------------
 
 
 def _make_engine(url: str) -> Engine:
     if not url.startswith("sqlite"):
+        if url.startswith("postgresql"):
+            # The ON CONFLICT / FOR UPDATE / conditional UPDATE design assumes READ COMMITTED.
+            return create_engine(url, pool_pre_ping=True, isolation_level="READ COMMITTED")
         return create_engine(url, pool_pre_ping=True)
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
 
@@ -650,10 +947,133 @@ def _make_engine(url: str) -> Engine:
     return engine
 
 
-def _create_schema(engine: Engine) -> None:
-    # Two processes may create the schema at once; on SQLite BEGIN IMMEDIATE serializes them,
-    # elsewhere the loser sees "already exists" and the second checkfirst pass finds the tables.
+def _create_schema(engine: Engine, read_engine: Engine) -> None:
+    """Create missing tables and upgrade an older schema, one process at a time.
+
+    A current schema (the usual case: every task opens the store) is seen with a read and
+    takes no lock. Otherwise, SQLite: the write transaction (``BEGIN IMMEDIATE``) serializes
+    creators. Postgres: a transaction-scoped advisory lock (two concurrent ``CREATE TABLE`` of
+    one name would fail with a unique violation in ``pg_type``). Elsewhere the loser's error is
+    followed by a second pass that finds the tables.
+    """
+    with read_engine.connect() as conn:
+        if _schema_is_current(conn):
+            return
+    dialect = engine.dialect.name
+    if dialect not in ("sqlite", "postgresql"):  # pragma: no cover
+        try:
+            Base.metadata.create_all(engine)
+        except (OperationalError, IntegrityError, ProgrammingError):
+            Base.metadata.create_all(engine)
+        return
+    with engine.begin() as conn:
+        if dialect == "postgresql":
+            conn.execute(select(func.pg_advisory_xact_lock(_SCHEMA_LOCK_KEY)))
+            Base.metadata.create_all(conn)
+            _upgrade_postgres(conn)
+        else:
+            Base.metadata.create_all(conn)
+    if dialect == "sqlite":
+        _upgrade_sqlite(engine)
+
+
+def _open_schema(engine: Engine, read_engine: Engine, url: str) -> None:
+    """An existing schema (upgraded if older), else NotFound: never create one."""
+    with read_engine.connect() as conn:  # a deferred BEGIN: no write lock for a reader
+        present = inspect(conn).has_table(Execution.__tablename__)
+        old = present and _needs_upgrade(conn)
+    if not present:
+        raise NotFound(f"no lineage database at {redacted(url)} (no lineage tables)")
+    if not old:
+        return
+    if engine.dialect.name == "sqlite":
+        _upgrade_sqlite(engine)
+    elif engine.dialect.name == "postgresql":
+        with engine.begin() as conn:
+            conn.execute(select(func.pg_advisory_xact_lock(_SCHEMA_LOCK_KEY)))
+            _upgrade_postgres(conn)
+    else:  # pragma: no cover
+        raise LineageError(
+            f"the lineage schema in this {engine.dialect.name} database predates artifact "
+            "versions: add artifacts.version (unique with uri) by hand"
+        )
+
+
+def _schema_is_current(conn: Connection) -> bool:
+    tables = set(inspect(conn).get_table_names())
+    return set(Base.metadata.tables) <= tables and not _needs_upgrade(conn)
+
+
+def _needs_upgrade(conn: Connection) -> bool:
+    columns = {c["name"] for c in inspect(conn).get_columns(Artifact.__tablename__)}
+    return "version" not in columns
+
+
+# Schema 1 -> 2: ``artifacts`` keyed by ``(uri, version)`` instead of ``uri``. Rows recorded
+# before keep their ids (events still point at them) with version "". Each upgrade runs under
+# the schema lock and checks again under it: of two processes upgrading at once, the second
+# finds nothing to do.
+
+
+def _upgrade_postgres(conn: Connection) -> None:
+    """Inside the caller's transaction, which holds the schema advisory lock."""
+    if not _needs_upgrade(conn):
+        return
+    table = Artifact.__tablename__
+    old = [
+        uc["name"]
+        for uc in inspect(conn).get_unique_constraints(table)
+        if uc["column_names"] == ["uri"]
+    ]
+    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN version VARCHAR(128) NOT NULL DEFAULT ''")
+    for name in old:
+        conn.exec_driver_sql(f'ALTER TABLE {table} DROP CONSTRAINT "{name}"')
+    conn.exec_driver_sql(
+        f"ALTER TABLE {table} ADD CONSTRAINT uq_artifacts_uri_version UNIQUE (uri, version)"
+    )
+    log.warning("lineage: upgraded the artifacts table to (uri, version) identity")
+
+
+def _upgrade_sqlite(engine: Engine) -> None:
+    """SQLite cannot drop the old UNIQUE(uri): rebuild the table, keeping its ids.
+
+    SQLite's own procedure: foreign keys off (only possible outside a transaction, hence a
+    raw connection), one ``BEGIN IMMEDIATE`` transaction that creates, copies, drops and
+    renames, ``PRAGMA foreign_key_check``, commit, foreign keys back on.
+    """
+    from sqlalchemy.schema import CreateTable
+
+    table = Artifact.__tablename__
+    columns = [c.name for c in Artifact.__table__.columns]
+    copied = ", ".join("''" if c == "version" else c for c in columns)
+    rebuilt = Artifact.__table__.to_metadata(MetaData(), name=f"{table}_v2")
+    ddl = str(CreateTable(rebuilt).compile(dialect=engine.dialect))
+    raw = engine.raw_connection()  # autocommit mode (see _on_connect): we issue BEGIN
     try:
-        Base.metadata.create_all(engine)
-    except (OperationalError, IntegrityError):
-        Base.metadata.create_all(engine)
+        cursor = raw.cursor()
+        cursor.execute("PRAGMA foreign_keys=OFF")
+        try:
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                names = {row[1] for row in cursor.execute(f"PRAGMA table_info({table})")}
+                if "version" not in names:
+                    cursor.execute(ddl)
+                    cursor.execute(
+                        f"INSERT INTO {table}_v2 ({', '.join(columns)}) "
+                        f"SELECT {copied} FROM {table}"
+                    )
+                    cursor.execute(f"DROP TABLE {table}")
+                    cursor.execute(f"ALTER TABLE {table}_v2 RENAME TO {table}")
+                    broken = cursor.execute("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise LineageError(f"artifacts upgrade broke foreign keys: {broken[:5]}")
+                    log.warning("lineage: upgraded the artifacts table to (uri, version) identity")
+                cursor.execute("COMMIT")
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+        finally:
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+    finally:
+        raw.close()

@@ -12,17 +12,21 @@ from operators.lineage import (
     ArtifactType,
     EventType,
     ExecutionState,
+    LineageConfigError,
     LineageStore,
     NotFound,
     code_version,
-    default_url,
+    lineage_url,
 )
 from operators.lineage.schema import Association, Attribution, Context
 from operators.steps import Step, StepRunner, output_of
 
 
-@pytest.fixture
-def url(tmp_path) -> str:
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request, tmp_path) -> str:
+    """The same tests on SQLite (laptops, the demo) and on a real PostgreSQL (production)."""
+    if request.param == "postgres":
+        return request.getfixturevalue("postgres_url")
     return f"sqlite:///{tmp_path}/lineage.db"
 
 
@@ -191,15 +195,21 @@ def test_several_processes_write_one_sqlite_file(url):
             assert session.query(Context).filter_by(type="pipeline").count() == 1
 
 
-def test_default_url_from_environment(monkeypatch, tmp_path):
+def test_lineage_url_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIPWAY_LINEAGE_DB", "postgresql://db/lineage")
-    assert default_url() == "postgresql://db/lineage"
+    assert lineage_url() == "postgresql://db/lineage"
     monkeypatch.delenv("SLIPWAY_LINEAGE_DB")
     monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
-    assert default_url() == f"sqlite:///{tmp_path}/lineage.db"
+    assert lineage_url() == f"sqlite:///{tmp_path}/lineage.db"
+    monkeypatch.setenv("SLIPWAY_HOME", f"file://{tmp_path}")
+    assert lineage_url() == f"sqlite:///{tmp_path}/lineage.db"
     monkeypatch.delenv("SLIPWAY_HOME")
     monkeypatch.chdir(tmp_path)
-    assert default_url() == f"sqlite:///{tmp_path}/out/lineage.db"
+    assert lineage_url() == f"sqlite:///{tmp_path}/out/lineage.db"
+    # A bucket cannot hold a SQLite file: say what to set instead of inventing a path.
+    monkeypatch.setenv("SLIPWAY_HOME", "gs://bucket/slipway")
+    with pytest.raises(LineageConfigError, match="SLIPWAY_LINEAGE_DB"):
+        lineage_url()
 
 
 def test_code_version_override(monkeypatch):
@@ -268,7 +278,8 @@ def test_cli_runs_show_trace(url, capsys):
     assert "├── ingest [aaaaaaaa] COMPLETE" in out
     assert "│   ├── in  dataset gs://raw/brown" in out
     assert (
-        "│   └── out dataset gs://b/ingest-aaaaaaaa  (records 510 in, 500 out, 10 dropped)" in out
+        "│   └── out dataset gs://b/ingest-aaaaaaaa @sha256:1  (records 510 in, 500 out, 10 dropped)"
+        in out
     )
     assert "│   ├── in  tokenizer: tokenizer gs://b/tok-cccc" in out
     assert "└── train FAILED" in out and "RuntimeError: NaN loss at step 120" in out

@@ -8,6 +8,7 @@ the way Airflow's plugins folder loads it.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +37,18 @@ class FakeDagRun:
     dag_id: str = "slipway_pipeline"
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch):
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, tmp_path, monkeypatch):
+    """The store the listener finds through the environment: SQLite under SLIPWAY_HOME, or a
+    real PostgreSQL in SLIPWAY_LINEAGE_DB (production)."""
     monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
-    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
-    with LineageStore(f"sqlite:///{tmp_path / 'lineage.db'}") as s:
+    if request.param == "postgres":
+        url = request.getfixturevalue("postgres_url")
+        monkeypatch.setenv("SLIPWAY_LINEAGE_DB", url)
+    else:
+        url = f"sqlite:///{tmp_path / 'lineage.db'}"
+        monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
+    with LineageStore(url) as s:
         yield s
 
 
@@ -120,17 +128,36 @@ def test_dag_run_end_cancels_whatever_is_still_running(store):
     assert state(store, other) == ExecutionState.CANCELED
 
 
-def test_unknown_run_and_missing_database_are_no_ops(tmp_path, monkeypatch):
+def _problems(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_unknown_run_and_missing_database_are_no_ops(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="operators.listener")
     monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path / "nowhere"))
     monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
     listener.on_task_instance_failed(None, FakeTaskInstance("r1", "train"), MANUAL)
     listener.on_dag_run_failed(FakeDagRun("r1"), "x")
     assert not (tmp_path / "nowhere").exists()  # never creates a store for other DAGs
+    # Expected, so not an error: said at DEBUG, once per hook.
+    assert _problems(caplog) == []
+    ours = [r for r in caplog.records if r.name == "operators.listener"]
+    assert [r.levelno for r in ours] == [logging.DEBUG, logging.DEBUG]
+    assert all("no lineage database at" in r.getMessage() for r in ours)
 
 
-def test_unknown_run_in_existing_store(store):
+def test_unknown_run_in_existing_store(store, caplog):
+    caplog.set_level(logging.DEBUG, logger="operators.listener")
+    running = start(store, "train", task_id="train")  # run r1: must not be touched
     listener.on_task_instance_failed(None, FakeTaskInstance("nope", "train"), MANUAL)
+    listener.on_task_instance_success(None, FakeTaskInstance("nope", "train"))
     listener.on_dag_run_failed(FakeDagRun("nope"), "x")
+    assert listener.close_task_executions("nope", "train", 1, "FAILED", "x") == []
+    assert state(store, running) == ExecutionState.RUNNING
+    assert store.executions("nope") == []  # nothing was recorded for the unknown run
+    assert [r.run_id for r in store.runs()] == ["r1"]
+    assert _problems(caplog) == []
+    assert any("nope/train try 1: no RUNNING execution" in r.getMessage() for r in caplog.records)
 
 
 def test_errors_never_escape_a_hook(store, monkeypatch, caplog):
@@ -138,9 +165,53 @@ def test_errors_never_escape_a_hook(store, monkeypatch, caplog):
         raise RuntimeError("database is down")
 
     monkeypatch.setattr(listener, "_store", broken)
-    listener.on_task_instance_failed(None, FakeTaskInstance("r1", "train"), MANUAL)
+    listener.on_task_instance_failed(None, FakeTaskInstance("r1", "train", try_number=3), MANUAL)
     listener.on_dag_run_failed(FakeDagRun("r1"), "x")
-    assert "on_task_instance_failed failed" in caplog.text
+    task, run = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert task.exc_info is not None and run.exc_info is not None  # with the traceback
+    message = task.getMessage()
+    assert "on_task_instance_failed for DAG run r1 task train try 3" in message
+    assert "RuntimeError: database is down" in message
+    assert "on_dag_run_failed for DAG slipway_pipeline run r1" in run.getMessage()
+
+
+def test_a_broken_database_is_an_error_with_context_not_a_crash(tmp_path, monkeypatch, caplog):
+    """Unexpected (a file that is not a database, a server that is down): logged at ERROR
+    with the hook, the task and the database (its password masked); the hook returns."""
+    (tmp_path / "lineage.db").write_bytes(b"this is not a sqlite database" * 100)
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
+    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
+    listener.on_task_instance_failed(None, FakeTaskInstance("r1", "train"), MANUAL)
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    message = record.getMessage()
+    assert "on_task_instance_failed for DAG run r1 task train try 1" in message
+    assert str(tmp_path / "lineage.db") in message and "DatabaseError" in message
+    assert record.exc_info is not None
+
+    caplog.clear()
+    monkeypatch.setenv("SLIPWAY_LINEAGE_DB", "postgresql+psycopg://slipway:s3cret@127.0.0.1:1/x")
+    listener.on_dag_run_failed(FakeDagRun("r1"), "x")
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "OperationalError" in record.getMessage()
+    assert "s3cret" not in caplog.text and "slipway:***@127.0.0.1:1/x" in record.getMessage()
+
+
+def test_a_step_that_reports_itself_meanwhile_keeps_its_state(store, monkeypatch):
+    """The listener read RUNNING, then the step wrote COMPLETE, then the listener writes: the
+    step's own report stands (the close is conditional), and nothing counts as closed."""
+    ex = start(store, "train", task_id="train")
+    read = LineageStore.executions
+
+    def read_then_step_reports(self, run_id, state=None):
+        found = read(self, run_id, state)
+        store.finish_execution(ex, properties={"outcome": "RAN"})
+        return found
+
+    monkeypatch.setattr(LineageStore, "executions", read_then_step_reports)
+    assert listener.close_task_executions("r1", "train", 1, "FAILED", "from outside") == []
+    rec = store.execution(ex)
+    assert rec.state == ExecutionState.COMPLETE and rec.error is None
+    assert "closed_by" not in rec.properties
 
 
 def test_airflow_dispatches_to_the_hooks_through_its_specs(store):
