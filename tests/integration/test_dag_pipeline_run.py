@@ -169,3 +169,46 @@ def test_injected_training_fault_fails_the_run_and_a_rerun_resumes(env):
     ckpt = next(o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint")
     assert ckpt.uri.endswith("step-000000300")
     assert "resuming from checkpoint" in log
+
+
+def _losses(output: str) -> list[float]:
+    by_step = {}
+    for line in (Path(output) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step[record["step"]] = record["loss"]  # the last line per step wins (resumes)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def test_multislice_runs_train_to_the_end_and_match_one_process(env):
+    """``slices: 2`` from the form: 2 slices x 1 host, then 2 slices x 2 hosts, on the local
+    backend (the JobSet's pods as processes, MEGASCALE_* as GKE sets them), train and evaluate
+    to the end with the loss curve of one process. Slices are how, not what: the step keeps
+    its version, so its outputs are removed between runs to train it again."""
+    import shutil
+
+    curves: dict[tuple[int, str], list[float]] = {}
+    for slices, topology in ((1, "1"), (2, "1"), (2, "2")):
+        run, log = dags_test(env, slices=slices, topology=topology)
+        s, nodes = states(env, run)
+        assert s.get("train") in ("COMPLETE", "CACHED"), (s, slices, topology, log[-5000:])
+        assert s.get("evaluate") in ("COMPLETE", "CACHED"), (
+            slices,
+            topology,
+            log[-5000:],
+        )
+        output = nodes["train"].execution.properties["output"]
+        config = json.loads((Path(output) / "config.json").read_text())
+        hosts = slices * int(topology)
+        assert config["mesh"]["replica"] == slices, config["mesh"]
+        assert config["mesh"]["replica"] * config["mesh"]["data"] == hosts, config["mesh"]
+        result = json.loads((Path(output) / "result.json").read_text())
+        assert result["status"] == "succeeded" and result["steps"] == 6
+        curves[(slices, topology)] = _losses(output)
+        evals = {o.role: o.artifact.counts["loss"] for o in nodes["evaluate"].outputs}
+        assert all(v > 0 for v in evals.values()), evals
+        for name in ("train", "evaluate"):
+            shutil.rmtree(nodes[name].execution.properties["output"])
+    single = curves[(1, "1")]
+    assert len(single) == 6
+    for shape in ((2, "1"), (2, "2")):
+        assert curves[shape] == pytest.approx(single, rel=2e-4), (shape, curves)

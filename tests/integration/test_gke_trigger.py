@@ -47,7 +47,17 @@ def home(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def params(tmp_path, kubeconfig):
+def gke_platform(kubeconfig, monkeypatch):
+    """The platform of these tests: it lets runs use the fake cluster's kubeconfig and the
+    namespace, service account and image below (operators/policy.py)."""
+    monkeypatch.setenv("SLIPWAY_ALLOWED_KUBECONFIGS", str(kubeconfig))
+    monkeypatch.setenv("SLIPWAY_ALLOWED_NAMESPACES", NS)
+    monkeypatch.setenv("SLIPWAY_ALLOWED_SERVICE_ACCOUNTS", "trainer")
+    monkeypatch.setenv("SLIPWAY_ALLOWED_IMAGES", IMAGE.rsplit(":", 1)[0])
+
+
+@pytest.fixture
+def params(tmp_path, kubeconfig, gke_platform):
     from airflow.sdk.definitions.param import ParamsDict
 
     from operators.params import check_run_config, pipeline_params
@@ -530,7 +540,7 @@ PROJECT, ZONE = "slipway-test", "us-east5-a"
 
 
 @pytest.fixture
-def tpu_params(tmp_path, kubeconfig, monkeypatch):
+def tpu_params(tmp_path, kubeconfig, monkeypatch, gke_platform):
     """A v5e 2x2 run on a GKE cluster named by cluster_name + zone: the settings the preflight
     takes its zone and project from. The GKE credentials (google provider) are replaced by the
     fake API server's kubeconfig; everything after that is the real path."""
