@@ -1,8 +1,11 @@
 """The run's last task (``trigger_rule="all_done"``): the run summary, whatever happened.
 
-Callbacks do not fire for tasks killed from outside, so this task closes the gap: it marks
-executions still RUNNING in this run CANCELED, then writes a summary to lineage (an execution
-``record`` with a ``run_summary`` artifact, also ``{root}/runs/<run_id>/summary.json``):
+Callbacks do not fire for tasks killed from outside, and no listener hook fires when a task's
+own process is killed while its supervisor lives on (the supervisor only reports the state).
+So this task closes the gap: an execution still RUNNING whose task Airflow has marked failed is
+closed FAILED ("ended without reporting"), any other RUNNING one CANCELED; then it writes a
+summary to lineage (an execution ``record`` with a ``run_summary`` artifact, also
+``{root}/runs/<run_id>/summary.json``):
 
 * every step with its state in this run (COMPLETE, CACHED, FAILED, CANCELED, or not run)
   and its marker on storage;
@@ -59,13 +62,50 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             )
         return summary
 
+    def _train_still_ending(self, ex: Any) -> bool:
+        """A training task killed from the UI (closed by the listener) whose process is still
+        ending: it has not recorded where training resumes, and it still holds the step's
+        lease. A task whose process died holds a lease nobody renews: nothing to wait for."""
+        if ex is None or ex.properties.get("closed_by") != "listener":
+            return False
+        if "resumable" in ex.properties:
+            return False
+        return self._lease_live(ex.properties.get("output"))
+
     @staticmethod
-    def _train_still_ending(ex: Any) -> bool:
-        return (
-            ex is not None
-            and ex.properties.get("closed_by") == "listener"
-            and "resumable" not in ex.properties
-        )
+    def _lease_live(output: str | None) -> bool:
+        from operators.steps import current_lease, store_for
+
+        if not output:
+            return False
+        lease = current_lease(store_for(output), output)
+        return lease is not None and lease.live(time.time())
+
+    @staticmethod
+    def _close_leftovers(store: Any, run_id: str, task_states: dict[str, str]) -> dict[str, int]:
+        """Close the run's RUNNING executions: FAILED where Airflow says the task failed (its
+        process died before it could report), CANCELED otherwise. Counts by new state."""
+        from operators.lineage import ExecutionState
+
+        closed = {"FAILED": 0, "CANCELED": 0}
+        for ex in store.executions(run_id, state=ExecutionState.RUNNING):
+            task = (ex.properties or {}).get("task_id", ex.name.split("/", 1)[0])
+            airflow_state = task_states.get(task)
+            if airflow_state == "failed":
+                state = ExecutionState.FAILED
+                reason = "task failed without reporting its end (its process was killed or died)"
+            else:
+                state = ExecutionState.CANCELED
+                reason = f"task ended without reporting (Airflow: {airflow_state or 'unknown'})"
+            if store.finish_execution(
+                ex.id,
+                state,
+                error=reason,
+                properties={"closed_by": "record", "record_reason": reason},
+                only_if_running=True,
+            ):
+                closed[str(state)] += 1
+        return closed
 
     def _wait_for_train_ending(self, store: Any, run_id: str, ex: Any) -> Any:
         """Wait (bounded) for a killed training task to record its checkpoint, so that the
@@ -94,7 +134,8 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         root = self.steps_root()
         store = self.lineage_store()
         try:
-            canceled = store.cancel_running(run_id, "task ended without reporting (killed?)")
+            task_states = _task_states(context)
+            closed = self._close_leftovers(store, run_id, task_states)
             try:
                 graph_run = store.run_graph(run_id)
                 executions = [node.execution for node in graph_run.steps]
@@ -132,7 +173,6 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
                 if state in ("FAILED", "CANCELED"):
                     failed.append({"step": step.name, "error": ex.error})
                 (skip if marker_status == "SUCCESS" else rerun).append(step.key)
-            task_states = _task_states(context)
             failed_tasks = sorted(
                 t for t, s in task_states.items() if s in ("failed", "upstream_failed")
             )
@@ -156,7 +196,8 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
                 "failed": failed,
                 "steps": rows,
                 "task_states": task_states,
-                "canceled_executions": canceled,
+                "canceled_executions": closed["CANCELED"],
+                "failed_unreported_executions": closed["FAILED"],
                 "resume": {
                     "skipped_on_rerun": skip,
                     "rerun": rerun,

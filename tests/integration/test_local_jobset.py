@@ -166,7 +166,7 @@ def test_multislice_env_per_pod(fake, monkeypatch):
 def test_trainer_resolves_one_process_group(fake):
     """The env above is what trainer.distributed expects: 4 distinct process ids, one
     coordinator, 4 processes (checked with its pure function; JAX is not initialised)."""
-    distributed = pytest.importorskip("trainer.distributed")
+    from trainer import distributed
     from trainer.config import DistributedConfig
 
     run(launch(fake, "env", accelerator="cpu", topology="2", slices=2))

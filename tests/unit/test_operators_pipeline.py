@@ -272,3 +272,51 @@ def test_jobset_hook_backends():
     assert gke.get_backend().name == "gke"  # credentials load lazily, on the first call
     with pytest.raises(BackendUnavailable, match="unknown JobSet backend"):
         JobSetHook("k8s").get_backend()
+
+
+class _TaskInstance:
+    """What ``record`` asks of its task instance: the states of the run's tasks."""
+
+    def __init__(self, run_id: str, states: dict[str, str]) -> None:
+        self.dag_id, self.run_id, self._states = "slipway_pipeline", run_id, states
+
+    def get_task_states(self, dag_id: str, run_ids: list[str]) -> dict:
+        return {self.run_id: self._states}
+
+
+def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path):
+    """A task process killed while its supervisor lives (SIGKILL, OOM) reports no ending and
+    no listener hook fires: ``record`` closes its execution FAILED, and what a task left
+    RUNNING without failing CANCELED. A killed train without a live lease is not waited for."""
+    import time as clock
+
+    from operators.lineage import ExecutionState
+    from operators.record import RecordRunOperator
+
+    with _store(home) as store:
+        killed = store.start_execution(
+            "train", run_id="run-k", properties={"task_id": "train", "output": str(tmp_path)}
+        )
+        store.finish_execution(  # the listener in the scheduler closed it (heartbeat timeout)
+            killed, ExecutionState.FAILED, properties={"closed_by": "listener"}
+        )
+        died = store.start_execution("evaluate", run_id="run-k", properties={"task_id": "evaluate"})
+        left = store.start_execution(
+            "tokens/train/brown", run_id="run-k", properties={"task_id": "tokenize"}
+        )
+    context = {
+        **_context(params, "run-k"),
+        "ti": _TaskInstance(
+            "run-k", {"train": "failed", "evaluate": "failed", "tokenize": "success"}
+        ),
+    }
+    t0 = clock.monotonic()
+    summary = RecordRunOperator().summarize(context)
+    assert clock.monotonic() - t0 < 30  # no lease is live: nobody is still recording train
+    assert (summary["failed_unreported_executions"], summary["canceled_executions"]) == (1, 1)
+    with _store(home) as store:
+        evaluate, tokens = store.execution(died), store.execution(left)
+        assert not store.executions("run-k", state=ExecutionState.RUNNING)
+    assert str(evaluate.state) == "FAILED" and evaluate.properties["closed_by"] == "record"
+    assert "without reporting its end" in evaluate.error
+    assert str(tokens.state) == "CANCELED" and "Airflow: success" in tokens.error
