@@ -72,7 +72,6 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
             eval_path,
             raw_path,
         )
-        from operators.lineage import ExecutionState
         from operators.params import sources_of
         from operators.settings import data_dir
         from operators.steps import format_plan, plan
@@ -85,23 +84,18 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
             missing.append("eval")
         store = self.lineage_store()
         try:
-            execution = store.start_execution(
+            with store.recording(
                 "fetch",
                 run_id=context.get("run_id"),
                 pipeline=self.dag_id,
                 properties={"data_dir": data, "fetched": missing},
-            )
-            try:
+            ) as execution:
                 if missing:
                     self.log.info("fetching %s into %s", missing, data)
                     fetch_into(data, missing)
                 graph = build_graph(params)
                 for path in [*graph.raw_inputs.values(), *graph.eval_sets.values()]:
                     store.record_output(execution, path, DATASET, content_hash=content_id(path))
-            except BaseException as exc:
-                store.finish_execution(execution, ExecutionState.FAILED, error=exc)
-                raise
-            store.finish_execution(execution)
         finally:
             store.close()
         self._remember_io([], [*graph.raw_inputs.values(), *graph.eval_sets.values()])

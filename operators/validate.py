@@ -31,23 +31,15 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.lineage import ExecutionState
         from operators.params import check_run_config
 
         params = self.run_params(context)
         store = self.lineage_store()
         try:
-            execution = store.start_execution(
-                "validate", run_id=context.get("run_id"), pipeline=self.dag_id
-            )
-            try:
+            with store.recording("validate", run_id=context.get("run_id"), pipeline=self.dag_id):
                 check_run_config(
                     params, connection_project=lambda: gcp_connection_project(self.gcp_conn_id)
                 )
-            except BaseException as exc:
-                store.finish_execution(execution, ExecutionState.FAILED, error=exc)
-                raise
-            store.finish_execution(execution)
         finally:
             store.close()
         self.log.info("run form valid")

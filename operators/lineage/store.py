@@ -392,6 +392,19 @@ class LineageStore:
 
         return self._transact(work)
 
+    @contextmanager
+    def recording(self, name: str, **start: Any) -> Iterator[int]:
+        """An execution around a block: started (``start`` as for :meth:`start_execution`),
+        its id given to the block, then closed COMPLETE, or FAILED with the exception the
+        block raised (re-raised). For tasks that are no content-addressed step."""
+        execution = self.start_execution(name, **start)
+        try:
+            yield execution
+        except BaseException as exc:
+            self.finish_execution(execution, ExecutionState.FAILED, error=exc)
+            raise
+        self.finish_execution(execution)
+
     def cancel_running(self, run_id: str, reason: str = "run ended with this step running") -> int:
         """Mark every still-RUNNING execution of a run CANCELED.
 

@@ -23,211 +23,30 @@ A second test kills a running ``train`` task the way the UI's "mark as failed" d
 cancels the JobSet and the trainer saves a checkpoint on SIGTERM; clearing the task then
 resumes training from that checkpoint (lineage: ``resumed_from_step``) to the end.
 
-Lineage never keeps a RUNNING execution. The standalone process group is always stopped.
+A third test kills a training task's worker for real (SIGKILL of its supervisor and task
+process: no ``on_kill``, no callback, no heartbeat): the scheduler fails the task when its
+heartbeat times out, the listener closes the execution FAILED with the reason in the
+scheduler, the trainer pods get SIGTERM from the kernel and checkpoint, and ``record`` ends
+the run with nothing RUNNING.
+
+Lineage never keeps a RUNNING execution. The standalone (``tests/e2e/conftest.py``, shared
+with the browser tests) is always stopped, its whole process group.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from operators.testing import TINY_STEPS, make_corpora, tiny_conf
+from operators.testing import TINY_STEPS, tiny_conf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
-AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 DAG_ID = "slipway_pipeline"
 STEPS = set(TINY_STEPS)
 UPSTREAM = STEPS - {"train", "evaluate"} | {"fetch"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Airflow:
-    """A running ``airflow standalone`` and an authenticated REST client for it."""
-
-    def __init__(self, base: Path) -> None:
-        import httpx
-
-        self.base = base
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # `make airflow OUT=base DATA=...`: Airflow home base/airflow, steps and lineage in base.
-        self.home = base / "airflow"
-        self.slipway_home = base
-        self.data = make_corpora(base / "data")
-        self.env = {
-            **os.environ,
-            "AIRFLOW__API__WORKERS": "1",
-            # The DAG is @weekly without catchup: unpausing it would start the latest scheduled
-            # run (the full default form) ahead of ours (max_active_runs=1). Manual runs only.
-            "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
-        }
-        for name in list(self.env):  # nothing of the caller's Airflow or Slipway settings
-            if name.startswith(("AIRFLOW", "SLIPWAY_")) and name not in (
-                "AIRFLOW__API__WORKERS",
-                "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE",
-            ):
-                del self.env[name]
-        self.log_path = base / "standalone.log"
-        self.proc: subprocess.Popen | None = None
-        self.client = httpx.Client(base_url=self.url, timeout=30)
-
-    # -- process ------------------------------------------------------------------------------
-
-    def start(self, timeout: float = 240) -> None:
-        self.home.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            # What the README tells a user to run (it runs `airflow standalone`).
-            [
-                "make",
-                "airflow",
-                f"AIRFLOW_PORT={self.port}",
-                f"OUT={self.base}",
-                f"DATA={self.data}",
-            ],
-            env=self.env,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stop() ends all of it
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"standalone exited:\n{self.log_tail()}"
-            try:
-                health = self.client.get("/api/v2/monitor/health").json()
-                if health["scheduler"]["status"] == "healthy" and self._password():
-                    break
-            except Exception:
-                pass
-            time.sleep(2)
-        else:
-            raise AssertionError(f"standalone not healthy in {timeout}s:\n{self.log_tail()}")
-        token = self.client.post(
-            "/auth/token", json={"username": "admin", "password": self._password()}
-        )
-        assert token.status_code in (200, 201), token.text
-        self.client.headers["Authorization"] = f"Bearer {token.json()['access_token']}"
-
-    def _password(self) -> str | None:
-        path = self.home / "simple_auth_manager_passwords.json.generated"
-        try:
-            return json.loads(path.read_text())["admin"]
-        except (OSError, ValueError, KeyError):
-            return None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            pgid = os.getpgid(self.proc.pid)
-            os.killpg(pgid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
-            # anything of the group still alive (tasks, API server workers)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.client.close()
-        if hasattr(self, "_log"):
-            self._log.close()
-
-    def log_tail(self, n: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    # -- REST ---------------------------------------------------------------------------------
-
-    def api(self, method: str, path: str, **kwargs) -> dict:
-        r = self.client.request(method, f"/api/v2{path}", **kwargs)
-        assert r.status_code < 300, f"{method} {path}: {r.status_code} {r.text}"
-        return r.json()
-
-    def wait_for_dag(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r = self.client.get(f"/api/v2/dags/{DAG_ID}")
-            if r.status_code == 200:
-                return
-            time.sleep(2)
-        errors = self.client.get("/api/v2/importErrors").text
-        raise AssertionError(f"{DAG_ID} not parsed in {timeout}s: {errors}\n{self.log_tail()}")
-
-    def trigger(self, run_id: str, conf: dict) -> None:
-        self.api(
-            "POST",
-            f"/dags/{DAG_ID}/dagRuns",
-            json={"dag_run_id": run_id, "logical_date": None, "conf": conf},
-        )
-
-    def wait_run(self, run_id: str, timeout: float = 420) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            state = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"]
-            if state in ("success", "failed"):
-                return state
-            time.sleep(3)
-        raise AssertionError(f"run {run_id} not done in {timeout}s: {self.task_states(run_id)}")
-
-    def task_states(self, run_id: str) -> dict[str, str]:
-        tis = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")
-        return {ti["task_id"]: ti["state"] for ti in tis["task_instances"]}
-
-    def task_log(self, run_id: str, task_id: str, try_number: int = 1) -> str:
-        r = self.client.get(
-            f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
-            headers={"Accept": "application/json"},
-        )
-        return r.text  # JSON: the log lines' text is in there
-
-    # -- lineage ------------------------------------------------------------------------------
-
-    def lineage(self, run_id: str) -> tuple[dict[str, str], dict, list]:
-        """Latest state per step, the latest node per step, and every execution of the run."""
-        from operators.lineage import LineageStore
-
-        with LineageStore(f"sqlite:///{self.slipway_home}/lineage.db", create=False) as store:
-            graph = store.run_graph(run_id)
-        latest = {}
-        for node in graph.steps:  # start order: the last attempt of each step wins
-            latest[node.execution.name] = node
-        states = {name: str(node.execution.state) for name, node in latest.items()}
-        return states, latest, [node.execution for node in graph.steps]
-
-
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(f"signal {signum}")  # runs the fixture's finally: no orphaned Airflow
-
-
-@pytest.fixture(scope="module")
-def airflow(tmp_path_factory):
-    af = Airflow(tmp_path_factory.mktemp("standalone"))
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        t0 = time.monotonic()
-        af.start()
-        af.wait_for_dag()
-        print(f"standalone up and {DAG_ID} parsed in {time.monotonic() - t0:.0f}s")
-        yield af
-    finally:
-        af.stop()
-        signal.signal(signal.SIGTERM, previous)
 
 
 def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
@@ -313,6 +132,24 @@ def _metrics_lines(output: str) -> int:
         return 0
 
 
+def _wait_for_training(af, run_id: str, timeout: float = 300) -> str:
+    """Wait until the run's ``train`` step is RUNNING and its trainer is past compiling;
+    returns the step's output directory."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _, nodes, _ = af.lineage(run_id)
+        except Exception:  # no lineage for this run yet
+            nodes = {}
+        train = nodes.get("train")
+        if train is not None and str(train.execution.state) == "RUNNING":
+            output = train.execution.properties["output"]
+            if _metrics_lines(output) >= 50:  # compiled and training
+                return output
+        time.sleep(1)
+    raise AssertionError(f"train never got going: {af.task_states(run_id)}")
+
+
 def test_training_killed_from_the_api_resumes_from_its_checkpoint(airflow):
     af = airflow
     af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
@@ -320,21 +157,7 @@ def test_training_killed_from_the_api_resumes_from_its_checkpoint(airflow):
     steps = 10_000
     t0 = time.monotonic()
     af.trigger("e2e_killed", tiny_conf(af.data, seed=8, steps=steps))
-    deadline = time.monotonic() + 300
-    output = None
-    while time.monotonic() < deadline:
-        try:
-            _, nodes, _ = af.lineage("e2e_killed")
-        except Exception:  # no lineage for this run yet
-            nodes = {}
-        train = nodes.get("train")
-        if train is not None and str(train.execution.state) == "RUNNING":
-            output = train.execution.properties["output"]
-            if _metrics_lines(output) >= 50:  # compiled and training
-                break
-        time.sleep(1)
-    else:
-        raise AssertionError(f"train never got going: {af.task_states('e2e_killed')}")
+    output = _wait_for_training(af, "e2e_killed")
 
     # -- kill it: what "mark as failed" on a running task does from the UI ------------------------
     af.api(
@@ -384,3 +207,57 @@ def test_training_killed_from_the_api_resumes_from_its_checkpoint(airflow):
     assert [e.name for e in executions].count("train") == 2
     summary = next(o.artifact.properties for o in nodes["record"].outputs)
     assert summary["state"] == "SUCCESS"
+
+
+def _trainer_processes(output: str) -> list:
+    """The trainer pods (local JobSet processes) training into ``output``."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "trainer.train" in cmdline and any(output in arg for arg in cmdline):
+            found.append(proc)
+    return found
+
+
+def test_a_task_whose_worker_died_is_failed_by_the_scheduler_and_closed_in_lineage(airflow):
+    """The scheduler's kill path, for real: the training task's supervisor and task process
+    are SIGKILLed (a worker that died: no on_kill, no callback, no heartbeat). The scheduler
+    fails the task once its heartbeat times out; the lineage listener, in the scheduler,
+    closes ``train`` FAILED with the reason; its trainer pods got SIGTERM from the kernel and
+    checkpointed; ``record`` ends the run with nothing left RUNNING and says where training
+    resumes."""
+    import signal
+
+    import psutil
+
+    af = airflow
+    af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
+    steps = 10_000
+    af.trigger("e2e_worker_died", tiny_conf(af.data, seed=9, steps=steps))
+    trainers = _trainer_processes(_wait_for_training(af, "e2e_worker_died"))
+    assert trainers
+
+    # -- the worker dies: its task process (which runs the local JobSet) and its supervisor ----
+    task_process = trainers[0].parent()
+    supervisor = task_process.parent()
+    assert "trainer.train" not in task_process.cmdline()
+    for proc in (supervisor, task_process):
+        proc.send_signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs(trainers, timeout=60)
+    assert not alive, f"trainer pods outlived their task: {alive}"
+    state = af.wait_run("e2e_worker_died", timeout=af.heartbeat_timeout_s + 360)
+    tasks = af.task_states("e2e_worker_died")
+    _, nodes, executions = af.lineage("e2e_worker_died")
+    assert state == "failed" and tasks["train"] == "failed", tasks
+    assert tasks["evaluate"] == "upstream_failed" and tasks["record"] == "failed", tasks
+    train = nodes["train"].execution
+    assert str(train.state) == "FAILED", train
+    assert train.properties.get("closed_by") == "listener", train.properties
+    assert "task failed (from outside the task)" in train.error, train.error
+    assert not [e for e in executions if str(e.state) == "RUNNING"], executions
+    summary = next(o.artifact.properties for o in nodes["record"].outputs)
+    assert summary["state"] == "FAILED" and summary["failed"][0]["step"] == "train"
+    resume = summary["resume"]["training_resumes_from"]
+    assert resume is not None and 0 < resume["step"] < steps, summary["resume"]
