@@ -155,6 +155,13 @@ def _host_shards(tree, buffers: dict | None = None) -> Staged:
     return staged
 
 
+def has_array(root: str, step: int, key: str) -> bool:
+    """Whether checkpoint ``step`` holds the leaf ``key`` (a zarr3 array: its ``zarr.json``), for
+    readers that accept checkpoints written before a leaf existed."""
+    fs, base = _fs(f"{step_dir(root, step)}/arrays/{key}/zarr.json")
+    return fs.exists(base)
+
+
 class Checkpointer:
     def __init__(
         self,

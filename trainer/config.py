@@ -39,7 +39,10 @@ class MoEConfig:
     capacity_factor: float = 1.25  # per-group capacity = ceil(cf * T * k / E); <= 0: no drops
     balancing: Literal["quantile", "aux_loss", "none"] = "quantile"
     aux_loss_coef: float = 0.01
-    group_size: int = 0  # tokens per routing group; 0 = one sequence
+    # tokens per routing group (the set each expert's quantile and capacity are taken over);
+    # 0 = all the tokens one device holds in a step: its rows of the batch (batch_size / the
+    # data-parallel size x seq_len). Per sequence the quantile is too coarse to balance well.
+    group_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -358,10 +361,12 @@ def validate(cfg: TrainConfig, *, require_data: bool = True) -> None:
         _check(len(cfg.data.sources) > 0, "data.sources", "needs at least one token store")
     validate_model(cfg.model)
     mg = cfg.model.moe.group_size if cfg.model.moe else 0
+    # a group is a run of whole sequences or a part of one; that it fits the tokens of one
+    # device is checked once the mesh is known (``resolve_model(..., tokens_per_device=)``)
     _check(
-        mg == 0 or (cfg.seq_len % mg == 0),
+        mg == 0 or cfg.seq_len % mg == 0 or mg % cfg.seq_len == 0,
         "model.moe.group_size",
-        f"must divide seq_len ({cfg.seq_len})",
+        f"must divide seq_len ({cfg.seq_len}) or be a multiple of it",
     )
     for key in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(cfg.data, key)):
@@ -417,8 +422,16 @@ def validate(cfg: TrainConfig, *, require_data: bool = True) -> None:
     _check(c.write_threads >= 0, "checkpoint.write_threads", "must be >= 0 (0 = auto)")
 
 
-def resolve_model(m: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
-    """Fill preset shape fields, derived head_dim and MoE widths, and the vocabulary size."""
+def resolve_model(
+    m: ModelConfig, vocab_size: int | None = None, *, tokens_per_device: int | None = None
+) -> ModelConfig:
+    """Fill preset shape fields, derived head_dim and MoE widths, and the vocabulary size.
+
+    ``tokens_per_device`` (the tokens one device holds in a step: its batch rows x seq_len)
+    fills the MoE default ``group_size`` 0, so that each device's tokens are one routing group:
+    the model sees the global batch and cannot know the mesh. An explicit ``group_size`` must
+    divide it (a group never spans devices). Left unset, the model routes all the tokens of a
+    call as one group."""
     from trainer.model import PRESETS
 
     base = PRESETS.get(m.preset) if m.preset else None
@@ -448,4 +461,13 @@ def resolve_model(m: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
                 r.moe, expert_dim=ed, shared_expert_dim=r.moe.shared_expert_dim or ed
             ),
         )
+    if r.moe is not None and tokens_per_device is not None:
+        group = r.moe.group_size or tokens_per_device
+        if tokens_per_device % group:
+            raise ConfigError(
+                "model.moe.group_size",
+                f"must divide the tokens per device ({tokens_per_device}: batch_size / "
+                "data-parallel size x seq_len)",
+            )
+        r = dataclasses.replace(r, moe=dataclasses.replace(r.moe, group_size=group))
     return r

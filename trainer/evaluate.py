@@ -24,11 +24,13 @@ import json
 import math
 import sys
 import traceback
+from typing import Any
 
 import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
 
 from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
@@ -37,16 +39,36 @@ from trainer import hostmem
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
 from trainer.model import Batch, Transformer, jit_document_batch, loss_chunk, token_nll
 
+ROUTER_BIAS = "router_bias"  # TrainState.router_bias's leaf in a checkpoint
 
-def _eval_step(params: Transformer, batch: Batch, weights, *, dtype, chunk: int):
+
+def _eval_step(
+    params: Transformer, router_bias: Array, batch: Batch, weights, *, dtype, chunk: int
+):
     inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
-    x, _ = params.hidden(inputs, batch.segments, batch.positions, None, dtype)
+    # the quantile-balancing bias decides expert selection: evaluate with the trained one, as
+    # the model was trained and would be served (a zero bias routes differently)
+    x, _ = params.hidden(inputs, batch.segments, batch.positions, router_bias, dtype)
     nll = token_nll(x, params.head(), targets, chunk)  # never the whole (B, S, V) logits
     return jnp.sum(nll * weights[:, None]), jnp.sum(weights) * targets.shape[1]
 
 
-def load_params(cfg: TrainConfig, vocab_size: int, mesh, step: int | None = None):
-    mcfg = resolve_model(cfg.model, vocab_size=vocab_size)
+def load_params(
+    cfg: TrainConfig,
+    vocab_size: int,
+    mesh,
+    step: int | None = None,
+    *,
+    batch_size: int | None = None,
+) -> tuple[Transformer, Array, Any, int]:
+    """(parameters, router bias, parameter shardings, step) of checkpoint ``step`` (default the
+    latest). Only ``params.*`` and ``router_bias`` are read, not the optimizer state.
+    ``batch_size`` (default the training batch) sizes the MoE routing groups: each device's
+    rows of an evaluation batch are one group, as in training. The router bias is the
+    checkpointed quantile-balancing bias; zeros for a dense model or a checkpoint without one."""
+    dp = dist.data_parallel_size(mesh)
+    tokens_per_device = (batch_size or cfg.batch_size) // dp * cfg.seq_len
+    mcfg = resolve_model(cfg.model, vocab_size=vocab_size, tokens_per_device=tokens_per_device)
     root = f"{cfg.output_dir.rstrip('/')}/checkpoints"
     step = ckpt.latest_step(root) if step is None else step
     if step is None:
@@ -58,8 +80,22 @@ def load_params(cfg: TrainConfig, vocab_size: int, mesh, step: int | None = None
     )
     checkpointer = ckpt.Checkpointer(root, process_index=0, process_count=1)
     params = checkpointer.restore(step, target, prefix="params.")
+    n_experts = mcfg.moe.num_experts if mcfg.moe else 0
+    bias_target = jax.ShapeDtypeStruct(
+        (mcfg.num_layers, n_experts), jnp.float32, sharding=dist.replicated(mesh)
+    )
+    if n_experts and ckpt.has_array(root, step, ROUTER_BIAS):
+        router_bias = checkpointer.restore(step, bias_target, prefix=ROUTER_BIAS)
+    else:  # dense model (nothing to bias), or a checkpoint written without the bias
+        router_bias = _replicated(np.zeros(bias_target.shape, np.float32), bias_target.sharding)
     checkpointer.close()
-    return params, shardings, step
+    return params, router_bias, shardings, step
+
+
+def _replicated(x: np.ndarray, sharding) -> Array:
+    """A host array (the same on every process) laid out as ``sharding``, each process handing
+    over the pieces its devices hold, as the evaluation batches are built."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def evaluate_store(
@@ -73,7 +109,15 @@ def evaluate_store(
     max_tokens: int,
     dtype,
     tokenizer=None,
+    router_bias: Array | None = None,
 ) -> dict:
+    """Metrics of one store (see the module docstring). ``router_bias`` (layers, experts): the
+    MoE selection bias, from ``load_params``; None = zeros."""
+    bias_sharding = dist.replicated(mesh)
+    if router_bias is None:
+        m = params.cfg.moe
+        shape = (params.cfg.num_layers, m.num_experts if m else 0)
+        router_bias = _replicated(np.zeros(shape, np.float32), bias_sharding)
     n_windows = min((store.num_tokens - 1) // seq_len, max(1, max_tokens // seq_len))
     if n_windows < 1:
         raise ValueError(f"{store.root}: fewer than seq_len + 1 = {seq_len + 1} tokens")
@@ -81,8 +125,8 @@ def evaluate_store(
     weight_sharding = dist.NamedSharding(mesh, dist.PartitionSpec(dist.BATCH_AXES))
     chunk = loss_chunk(seq_len, batch_size // dist.data_parallel_size(mesh), store.vocab_size)
     step = jax.jit(
-        lambda p, b, w: _eval_step(p, b, w, dtype=dtype, chunk=chunk),
-        in_shardings=(shardings, row_sharding, weight_sharding),
+        lambda p, r, b, w: _eval_step(p, r, b, w, dtype=dtype, chunk=chunk),
+        in_shardings=(shardings, bias_sharding, row_sharding, weight_sharding),
     )
     documents = jit_document_batch(store.eos_id, row_sharding)
 
@@ -102,7 +146,7 @@ def evaluate_store(
                 pieces = [tokenizer.id_to_piece(int(t)) for t in rows[j, 1:]]
                 decoded_bytes += sum(_piece_bytes(p) for p in pieces)
         batch = documents(global_array(rows, row_sharding))
-        s, c = step(params, batch, global_array(weights, weight_sharding))
+        s, c = step(params, router_bias, batch, global_array(weights, weight_sharding))
         total += float(s)
         count += float(c)
     loss = total / count
@@ -156,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         dist.initialize(cfg.distributed)
         mesh = dist.make_mesh(cfg.mesh)
         opened = [TokenStore.open(p) for p in stores]
-        params, shardings, step = load_params(cfg, opened[0].vocab_size, mesh, args.step)
-        dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
         batch = args.batch_size or cfg.batch_size
+        params, router_bias, shardings, step = load_params(
+            cfg, opened[0].vocab_size, mesh, args.step, batch_size=batch
+        )
+        dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
         tokenizer = None
         if args.tokenizer:
             import sentencepiece as spm
@@ -176,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_tokens=args.max_tokens,
                 dtype=dtype,
                 tokenizer=tokenizer,
+                router_bias=router_bias,
             )
             for s in opened
         ]

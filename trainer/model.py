@@ -523,8 +523,13 @@ class MoE(eqx.Module):
     def __call__(self, x: Array, bias: Array) -> tuple[Array, dict[str, Array]]:
         b, s, d = x.shape
         m = self.moe
-        gs = m.group_size or s
-        xg = x.reshape(b * s // gs, gs, d)  # groups are independent: routing never crosses hosts
+        # routing groups: runs of gs consecutive tokens, row-major. The trainer and evaluator set
+        # gs to the tokens one device holds (``resolve_model(tokens_per_device=)``): the batch
+        # rows are split into contiguous blocks over the devices, so group g is device g's shard
+        # and each quantile is taken over a device's tokens without crossing devices. 0 (a
+        # direct call): all the tokens of the call are one group.
+        gs = m.group_size or b * s
+        xg = x.reshape(b * s // gs, gs, d)
         cap = self.capacity(gs)
         logits = jnp.einsum("gtd,de->gte", xg.astype(jnp.float32), self.router)
         idx, slot, keep, weight, stats = jax.vmap(lambda lg: route(lg, bias, m.top_k, cap))(logits)
@@ -546,7 +551,8 @@ class MoE(eqx.Module):
 
         out = jax.vmap(combine)(y, idx, slot, keep, weight).reshape(b, s, d)
         out = out + self.shared(x)
-        # beta averaged over groups = over data-parallel devices, independent of mesh shape
+        # beta averaged over groups (by default one per data-parallel device): the one bias
+        # every device selects with next step
         load = jnp.sum(stats["load"], axis=0)
         aux = m.num_experts * jnp.sum(
             jnp.mean(stats["frac_routed"], axis=0) * jnp.mean(stats["mean_prob"], axis=0)

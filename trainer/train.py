@@ -2,7 +2,8 @@
 
 Writes under ``output_dir``: ``config.json`` (resolved), ``checkpoints/``, ``metrics.jsonl``
 (one JSON object per logged step; after a resume, steps after the restored checkpoint are logged
-again and the last line for a step wins) and ``result.json`` (status, steps, final loss, error).
+again and the last line for a step wins) and ``result.json`` (status, steps, final loss, error,
+and ``start_step``: the checkpoint step the run resumed from, 0 for a fresh start).
 
 Exit codes: 0 succeeded; 1 failed; 2 invalid config (nothing computed);
 ``EXIT_RESTART`` = 42 preempted: SIGTERM was received, a checkpoint was saved, run me again
@@ -201,7 +202,12 @@ def setup(cfg: TrainConfig) -> Run:
         seed=cfg.seed,
         block_size=cfg.data.block_size,
     )
-    mcfg = resolve_model(cfg.model, vocab_size=loader.vocab_size)
+    # MoE routing groups default to each device's rows of the batch (see MoEConfig.group_size)
+    mcfg = resolve_model(
+        cfg.model,
+        vocab_size=loader.vocab_size,
+        tokens_per_device=cfg.batch_size // dp * cfg.seq_len,
+    )
     if mcfg.vocab_size < loader.vocab_size:
         raise ConfigError("model.vocab_size", f"smaller than the token store's {loader.vocab_size}")
     tx = make_optimizer(cfg.optimizer, cfg.steps)
@@ -435,6 +441,9 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
         "error": None,
         "params": n_params,
         "exit_code": EXIT_OK if status == "succeeded" else EXIT_RESTART,
+        # the checkpoint step this run resumed from (0: a fresh start); this run trained and
+        # logged steps start_step + 1 .. steps
+        "start_step": run.start_step,
     }
     if lead:
         _write_json(f"{out}/result.json", result)

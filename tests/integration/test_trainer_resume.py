@@ -4,6 +4,10 @@
   final parameters and loss are bit-identical to an uninterrupted run;
 - SIGTERM: the run saves, writes result status "preempted", exits 42; a rerun completes
   bit-identically too.
+
+Bit-identity alone would also hold for a restart from step 0 (training is deterministic), so
+each restart must also show that it resumed: ``result.json``'s ``start_step`` is the latest
+checkpoint's step and the restarted run's first line in ``metrics.jsonl`` is that step + 1.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from trainer.checkpoint import latest_step
 from trainer.testing import write_random_store
 from trainer.train import EXIT_RESTART
 
@@ -105,6 +110,11 @@ def _final_arrays(out: Path) -> dict[str, np.ndarray]:
     }
 
 
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
 def _assert_identical(a: Path, b: Path) -> None:
     ra, rb = (json.loads((p / "result.json").read_text()) for p in (a, b))
     assert ra["status"] == rb["status"] == "succeeded"
@@ -113,6 +123,20 @@ def _assert_identical(a: Path, b: Path) -> None:
     assert xa.keys() == xb.keys() and len(xa) > 10
     for k in xa:
         np.testing.assert_array_equal(xa[k], xb[k], err_msg=k)
+    # the last line per step wins: the resumed log reads as the uninterrupted one
+    last_a, last_b = ({m["step"]: m["loss"] for m in _metrics(p)} for p in (a, b))
+    assert last_a == last_b and sorted(last_a) == list(range(1, STEPS + 1))
+
+
+def _assert_resumed(out: Path, first_run_lines: int, checkpoint: int) -> None:
+    """The restart (whose log lines follow the first run's ``first_run_lines``) started from
+    ``checkpoint``, not from step 0."""
+    assert 0 < checkpoint < STEPS
+    result = json.loads((out / "result.json").read_text())
+    assert result["start_step"] == checkpoint
+    restarted = _metrics(out)[first_run_lines:]
+    assert restarted[0]["step"] == checkpoint + 1
+    assert [m["step"] for m in restarted] == list(range(checkpoint + 1, STEPS + 1))
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +150,10 @@ def test_sigkill_then_restart_is_bit_identical(store, reference, tmp_path):
     out = tmp_path / "killed"
     assert _run(store, out, "SIGKILL", 10) == -signal.SIGKILL
     assert not (out / "result.json").exists()
+    checkpoint, logged = latest_step(str(out / "checkpoints")), len(_metrics(out))
+    assert checkpoint == 10  # killed right after that commit: no later checkpoint
     assert _run(store, out) == 0  # resumes from the latest complete checkpoint
+    _assert_resumed(out, logged, checkpoint)
     _assert_identical(reference, out)
     # permanent checkpoint kept, temporaries rolled (keep=1)
     steps = sorted(os.listdir(out / "checkpoints"))
@@ -141,5 +168,9 @@ def test_sigterm_saves_and_exits_with_restart_code(store, reference, tmp_path):
     assert 10 <= result["steps"] < STEPS
     saved = sorted(os.listdir(out / "checkpoints"))[-1]
     assert saved == f"step-{result['steps']:09d}"  # saved exactly where it stopped
+    assert result["start_step"] == 0
+    logged = len(_metrics(out))
+    assert _metrics(out)[-1]["step"] == result["steps"]  # every step it trained was logged
     assert _run(store, out) == 0
+    _assert_resumed(out, logged, result["steps"])
     _assert_identical(reference, out)
