@@ -146,6 +146,7 @@ def test_estimates_are_unbiased_with_binomial_noise():
 
 def test_optimal_bands_equal_datasketch():
     from datasketch import lsh  # a dev dependency: a missing one must fail, not skip
+
     cases = [
         (0.8, 256, (0.5, 0.5)),
         (0.8, 256, (0.1, 0.9)),
