@@ -96,7 +96,8 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 bench: install
-	@for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@# As modules from the checkout's root: the benchmarks share tests/support with the tests.
+	@for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) -m tests.bench.$$(basename $$b .py) || exit 1; done
 
 # The PyTorch reference the trainer's MFU target is set against (tests/bench/reference_pytorch.py).
 # PyTorch is no dependency of Slipway: it goes into its own venv, which sees .venv's packages
@@ -110,7 +111,7 @@ bench-pytorch: install
 	@$(TORCH_VENV)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/slipway-venv.pth', 'w').write('import site; site.addsitedir(%r)\\n' % sys.argv[1])" \
 		"$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
 	$(TORCH_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(TORCH_VENV)/bin/python tests/bench/reference_pytorch.py
+	$(TORCH_VENV)/bin/python -m tests.bench.reference_pytorch
 
 clean:
 	rm -rf $(OUT) .pytest_cache .ruff_cache $(TORCH_VENV)

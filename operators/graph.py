@@ -26,7 +26,7 @@ from operators.steps import Step, join, output_of
 # What each stage's output is, for lineage.
 DATASET, TOKENIZER, TOKEN_STORE = "dataset", "tokenizer", "token_store"
 EVAL_STORES = ("lambada",)  # eval sets tokenized as held-out prose (data/eval/<name>.jsonl.gz)
-LAMBADA_PREFIX = "eval-"
+EVAL_STORE_PREFIX = "eval-"  # eval sets tokenized as held-out stores: eval-<name>
 # A stage clears its --output directory before writing, so it writes below the step's output
 # directory, never into it: the step's status marker and lease files must survive.
 STAGE_OUT = "output"
@@ -124,6 +124,55 @@ def eval_set_paths(root: str) -> dict[str, str]:
     return {
         f[: -len(".jsonl.gz")]: join(folder, f) for f in sorted(names) if f.endswith(".jsonl.gz")
     }
+
+
+def train_step_config(params: Mapping[str, Any], stores: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``train`` step's versioned config: the form's training fields and, per source, its
+    token store (``stores``: source name -> path or upstream output) and mixture weight."""
+    weights = {s.name: s.weight for s in sources_of(params)}
+    return {
+        "model": {"preset": params["model_preset"]},
+        "steps": int(params["steps"]),
+        "batch_size": int(params["batch_size"]),
+        "seq_len": int(params["seq_len"]),
+        "seed": int(params["seed"]),
+        "optimizer": {
+            "learning_rate": float(params["learning_rate"]),
+            "warmup_steps": int(params["warmup_steps"]),
+        },
+        "sources": [{"name": n, "path": path, "weight": weights[n]} for n, path in stores.items()],
+    }
+
+
+def trainer_run_config(config: Mapping[str, Any], output_dir: str) -> dict[str, Any]:
+    """A ``train`` step's config as the trainer's own ``TrainConfig`` (``trainer/config.py``),
+    built and validated by the trainer's code: a :class:`trainer.config.ConfigError` names the
+    trainer field. Every field is written out, defaults included, so the file says exactly
+    what ran."""
+    from trainer.config import TrainConfig, from_dict, to_dict, validate
+
+    steps = int(config["steps"])
+    body = {
+        "output_dir": output_dir,
+        "steps": steps,
+        "batch_size": config["batch_size"],
+        "seq_len": config["seq_len"],
+        "seed": config["seed"],
+        "log_every": 1,
+        "model": dict(config["model"]),
+        "data": {
+            "sources": [
+                {"path": s["path"], "weight": s["weight"], "name": s["name"]}
+                for s in config["sources"]
+            ]
+        },
+        "optimizer": dict(config["optimizer"]),
+        # A few rolling checkpoints per run: a preempted or failed run loses little.
+        "checkpoint": {"save_every": max(1, steps // 4), "keep": 1},
+    }
+    cfg = from_dict(TrainConfig, body)
+    validate(cfg)
+    return to_dict(cfg)
 
 
 def build_graph(params: Mapping[str, Any]) -> Graph:
@@ -233,26 +282,11 @@ def build_graph(params: Mapping[str, Any]) -> Graph:
             versioned={"input_content": content_id(evals[e]), "tokenizer": tokenizer},
         )
         tokenize.append(s)
-        eval_stores[f"{LAMBADA_PREFIX}{e}"] = s.step
+        eval_stores[f"{EVAL_STORE_PREFIX}{e}"] = s.step
 
-    weights = {s.name: s.weight for s in sources}
     train = Step(
         "train",
-        {
-            "model": {"preset": params["model_preset"]},
-            "steps": int(params["steps"]),
-            "batch_size": int(params["batch_size"]),
-            "seq_len": int(params["seq_len"]),
-            "seed": int(params["seed"]),
-            "optimizer": {
-                "learning_rate": float(params["learning_rate"]),
-                "warmup_steps": int(params["warmup_steps"]),
-            },
-            "sources": [
-                {"name": n, "path": stage_output(train_stores[n]), "weight": weights[n]}
-                for n in names
-            ],
-        },
+        train_step_config(params, {n: stage_output(train_stores[n]) for n in names}),
         unversioned={
             "accelerator": params["accelerator"],
             "topology": params["topology"],

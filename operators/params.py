@@ -30,11 +30,11 @@ from airflow.sdk import Param
 
 from operators import naming
 from operators.settings import absolute
+from trainer.shapes import PRESETS
 
 # Training corpora `pipelines.corpora.fetch` knows (data/raw/<name>.jsonl.gz).
 SOURCES = ("brown", "factbook", "fortunes", "python-stdlib", "spam-assassin")
-# trainer/model.py PRESETS (a unit test checks they agree; importing it here would pull in JAX).
-MODEL_PRESETS = ("nano", "30m", "75m", "150m", "300m", "600m", "1.4b", "8b")
+MODEL_PRESETS = tuple(PRESETS)  # trainer/shapes.py: JAX-free, cheap at parse time
 # operators/jobset/catalogue.py names (a unit test checks they agree).
 ACCELERATORS = ("cpu", "v4", "v5e", "v5p", "v6e", "tpu7x")
 BACKENDS = ("local", "gke")
@@ -430,6 +430,20 @@ def _dataflow_problems(
     return problems
 
 
+def _trainer_problems(params: Mapping[str, Any]) -> list[str]:
+    """The trainer's own checks of the config the ``train`` step will write (the same code
+    path, with stand-ins for the token stores the data plane has not made yet)."""
+    from operators.graph import train_step_config, trainer_run_config
+    from trainer.config import ConfigError
+
+    stores = {s.name: f"<token store of {s.name}>" for s in sources_of(params)}
+    try:
+        trainer_run_config(train_step_config(params, stores), "<train step output>")
+    except ConfigError as exc:
+        return [f"trainer config: {exc}"]
+    return []
+
+
 def _non_finite(value: Any, path: str) -> list[str]:
     """Every NaN or infinity in a run form (JSON schema's ranges let NaN through: every
     comparison with it is false)."""
@@ -485,6 +499,7 @@ def check_run_config(
     if problem := naming.image_problem(params["image"]):
         problems.append(problem)
     problems += check_stage_configs(params.get("stage_configs") or {})
+    problems += _trainer_problems(params)
     if params["backend"] == "gke":
         problems.extend(_gke_problems(params))
     if params["runner"] == "DataflowRunner":

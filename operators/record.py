@@ -28,7 +28,6 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.step_lineage import StepLineageMixin
 
-_OK = ("COMPLETE", "CACHED")
 # A training task killed from the UI is closed by the listener at once, but its trainer is
 # still checkpointing on SIGTERM; the task records where training can resume when it ends.
 KILLED_TRAIN_GRACE_S = 120.0
@@ -127,7 +126,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         from operators.graph import build_graph
         from operators.lineage import ExecutionState
         from operators.steps import probe
-        from operators.training import last_checkpoint
+        from trainer.rundir import last_checkpoint
 
         run_id = context.get("run_id")
         params = self.run_params(context)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,9 @@ from airflow.sdk import BaseOperator
 
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
 from operators.steps import Step, StepResult, StepSpec, join, output_path
+from trainer import rundir
+from trainer.rundir import last_checkpoint, read_metrics
+from trainer.rundir import read_json as _read_json
 
 if TYPE_CHECKING:
     from operators.jobset.catalogue import SliceShape
@@ -53,7 +55,6 @@ GKE_POLL_SECONDS = 30.0  # a watch returns at once on a change; this bounds a qu
 GKE_LOG_SECONDS = 60.0  # leader pod log lines in the task log this often
 FAULT_POLL_SECONDS = 0.05  # small models run hundreds of steps a second once compiled
 PROGRESS_SECONDS = 10.0  # the trainer prints no per-step lines: log metrics.jsonl this often
-_STEP_DIR = re.compile(r"^step-(\d{9})$")
 
 
 class TrainingFailed(RuntimeError):
@@ -64,36 +65,7 @@ class FaultInjected(TrainingFailed):
     pass
 
 
-# -- trainer output files (read as plain files: operators never import the trainer) ----------
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    import fsspec
-
-    try:
-        with fsspec.open(path, "r") as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def read_metrics(out: str) -> list[dict[str, Any]]:
-    """``metrics.jsonl``, the last line per step winning (a resume logs steps again)."""
-    import fsspec
-
-    try:
-        with fsspec.open(join(out, "metrics.jsonl"), "r") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        by_step[int(rec["step"])] = rec
-    return [by_step[s] for s in sorted(by_step)]
+# -- trainer output files: trainer/rundir.py owns the layout (JAX-free) -------------------------
 
 
 def last_logged_step(out: str) -> int:
@@ -101,46 +73,11 @@ def last_logged_step(out: str) -> int:
     return int(metrics[-1]["step"]) if metrics else 0
 
 
-def last_checkpoint(out: str) -> tuple[int, str] | None:
-    """(step, path) of the newest *committed* checkpoint (``commit.json`` written last)."""
-    import fsspec
-
-    root = join(out, "checkpoints")
-    fs, base = fsspec.core.url_to_fs(root)
-    if not fs.exists(base):
-        return None
-    best = None
-    for entry in fs.ls(base, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        m = _STEP_DIR.match(name)
-        if m and fs.exists(f"{entry.rstrip('/')}/commit.json"):
-            step = int(m.group(1))
-            if best is None or step > best[0]:
-                best = (step, join(root, name))
-    return best
-
-
 def trainer_config(spec: StepSpec) -> dict[str, Any]:
-    """The ``train`` step's config as a trainer config file (``trainer/config.py``)."""
-    c = spec.config
-    steps = int(c["steps"])
-    return {
-        "output_dir": spec.output_path,
-        "steps": steps,
-        "batch_size": c["batch_size"],
-        "seq_len": c["seq_len"],
-        "seed": c["seed"],
-        "log_every": 1,
-        "model": dict(c["model"]),
-        "data": {
-            "sources": [
-                {"path": s["path"], "weight": s["weight"], "name": s["name"]} for s in c["sources"]
-            ]
-        },
-        "optimizer": dict(c["optimizer"]),
-        # A few rolling checkpoints per run: a preempted or failed run loses little.
-        "checkpoint": {"save_every": max(1, steps // 4), "keep": 1},
-    }
+    """The ``train`` step's trainer config file (:func:`operators.graph.trainer_run_config`)."""
+    from operators.graph import trainer_run_config
+
+    return trainer_run_config(spec.config, spec.output_path)
 
 
 def _jobset_name(kind: str, spec: StepSpec) -> str:
@@ -244,7 +181,7 @@ def _gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, 
 def _training_result(out: str, status: Any, resumed_from: int | None) -> dict[str, Any]:
     """The train step's result from the trainer's files; :class:`TrainingFailed` unless both
     the JobSet and the trainer say it succeeded."""
-    result = _read_json(join(out, "result.json")) or {}
+    result = _read_json(join(out, rundir.RESULT)) or {}
     if not status.succeeded or result.get("status") != "succeeded":
         raise TrainingFailed(
             f"JobSet {status.terminal_state} ({status.reason}: {status.message}); "
@@ -811,7 +748,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
                     },
                 )
             )
-        refs.append(ArtifactRef(join(spec.output_path, "metrics.jsonl"), ArtifactType.METRICS))
+        refs.append(ArtifactRef(join(spec.output_path, rundir.METRICS), ArtifactType.METRICS))
         return refs
 
     @staticmethod
@@ -828,7 +765,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             "last_checkpoint": ckpt[1] if ckpt else None,
             "last_checkpoint_step": ckpt[0] if ckpt else None,
             "last_logged_step": last_logged_step(spec.output_path),
-            "trainer_result": _read_json(join(spec.output_path, "result.json")),
+            "trainer_result": _read_json(join(spec.output_path, rundir.RESULT)),
             "resumable": ckpt is not None,
         }
 

@@ -177,10 +177,6 @@ def apply_thresholds(scores: Mapping[str, float], thresholds: QualityThresholds)
     return failed
 
 
-def thresholds_from_mapping(values: Mapping[str, Any], where: str) -> QualityThresholds:
-    return _replace_thresholds(QualityThresholds(), values, where)
-
-
 def _replace_thresholds(base: QualityThresholds, values: Any, where: str) -> QualityThresholds:
     if isinstance(values, QualityThresholds):
         return values

@@ -1,6 +1,7 @@
 """Asynchronous, atomic TensorStore checkpoints of a pytree of (sharded) ``jax.Array``.
 
-Layout under the run's ``checkpoints/`` directory (local path or ``gs://``)::
+Layout under the run's ``checkpoints/`` directory (local path or ``gs://``; the folder names
+and the commit marker are ``trainer/rundir.py``'s, which the operators read too)::
 
     step-000001200/
         arrays/<leaf>/          zarr3 array per leaf, global shape, chunked by shard
@@ -37,18 +38,13 @@ import numpy as np
 import tensorstore as ts
 
 from tokenstore.store import _kvstore  # the one place that maps paths to TensorStore kvstores
+from trainer.rundir import COMMIT, committed_steps, step_dir
 
-COMMIT = "commit.json"
-STEP_RE = re.compile(r"step-(\d{9})$")
 MAX_CHUNK_BYTES = 64 << 20
 
 
 def _fs(path: str):
     return fsspec.core.url_to_fs(path)
-
-
-def step_dir(root: str, step: int) -> str:
-    return f"{root.rstrip('/')}/step-{step:09d}"
 
 
 def leaf_key(path) -> str:
@@ -82,23 +78,6 @@ def _spec(path: str, shape, dtype: np.dtype, chunk) -> dict[str, Any]:
         "create": True,
         "open": True,
     }
-
-
-def committed_steps(root: str) -> list[tuple[int, dict[str, Any]]]:
-    """Complete checkpoints (with their commit records), oldest first."""
-    fs, base = _fs(root)
-    if not fs.exists(base):
-        return []
-    out = []
-    for entry in fs.ls(base, detail=False):
-        m = STEP_RE.search(entry.rstrip("/"))
-        if not m:
-            continue
-        commit = f"{entry.rstrip('/')}/{COMMIT}"
-        if fs.exists(commit):
-            with fs.open(commit, "r") as f:
-                out.append((int(m.group(1)), json.load(f)))
-    return sorted(out, key=lambda t: t[0])
 
 
 def latest_step(root: str) -> int | None:

@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.shapes import PRESETS
+
 
 class ConfigError(ValueError):
     """An invalid configuration; the message starts with the dotted field name."""
@@ -303,8 +305,6 @@ def _check(cond: bool, path: str, message: str) -> None:
 
 
 def validate_model(m: ModelConfig, path: str = "model") -> None:
-    from trainer.model import PRESETS  # the preset table lives next to the model
-
     _check(
         not m.preset or m.preset in PRESETS,
         f"{path}.preset",
@@ -432,8 +432,6 @@ def resolve_model(
     the model sees the global batch and cannot know the mesh. An explicit ``group_size`` must
     divide it (a group never spans devices). Left unset, the model routes all the tokens of a
     call as one group."""
-    from trainer.model import PRESETS
-
     base = PRESETS.get(m.preset) if m.preset else None
     updates: dict[str, Any] = {}
     for name in (

@@ -35,7 +35,7 @@ from jax import Array
 from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist
-from trainer import hostmem
+from trainer import hostmem, rundir
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
 from trainer.model import Batch, Transformer, jit_document_batch, loss_chunk, token_nll
 
@@ -69,7 +69,7 @@ def load_params(
     dp = dist.data_parallel_size(mesh)
     tokens_per_device = (batch_size or cfg.batch_size) // dp * cfg.seq_len
     mcfg = resolve_model(cfg.model, vocab_size=vocab_size, tokens_per_device=tokens_per_device)
-    root = f"{cfg.output_dir.rstrip('/')}/checkpoints"
+    root = rundir.checkpoints_dir(cfg.output_dir)
     step = ckpt.latest_step(root) if step is None else step
     if step is None:
         raise ConfigError("output_dir", f"no complete checkpoint under {root}")
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(body, indent=2) + "\n"
     print(text, end="")
     if jax.process_index() == 0:
-        out = args.output or f"{cfg.output_dir.rstrip('/')}/eval/step-{step:09d}.json"
+        out = args.output or rundir.eval_path(cfg.output_dir, step)
         fs, path = fsspec.core.url_to_fs(out)
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         with fs.open(path, "w") as f:

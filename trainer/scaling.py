@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.config import ModelConfig
-from trainer.model import flops_per_token, param_count
+from trainer.shapes import flops_per_token, param_count
 
 TOKENS_PER_PARAM = 20.0
 

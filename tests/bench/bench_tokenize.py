@@ -1,6 +1,6 @@
 """Benchmark of stage 7 (tokenize) against raw SentencePiece encoding of the same text.
 
-    .venv/bin/python tests/bench/bench_tokenize.py [--quick] [--threads N] [--json PATH]
+    .venv/bin/python -m tests.bench.bench_tokenize [--quick] [--threads N] [--json PATH]
 
 Corpus: the Python standard library's own sources (real text: code and English docstrings),
 written as gzipped JSONL and run through stage 1 (``pipelines.ingest``), so that tokenize reads

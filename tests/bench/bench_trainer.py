@@ -2,7 +2,7 @@
 against the matmul peak measured in the same process with ``jnp.dot``; data-loader and
 asynchronous-checkpoint step-time overheads; save/restore time; peak host memory.
 
-Run: ``python tests/bench/bench_trainer.py [--compute-steps N] [--json OUT]`` or
+Run: ``python -m tests.bench.bench_trainer [--compute-steps N] [--json OUT]`` or
 ``pytest -m bench tests/bench/bench_trainer.py``. Results: ``docs/benchmarks.md`` (trainer).
 
 Every figure is paired with a reference measured right next to it, because the machine this
@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support.trainer_data import write_random_store
 from trainer import checkpoint as ckpt
 from trainer import hostmem
 from trainer.config import load_config
-from trainer.model import flops_per_token, param_count, unroll_layers
-from trainer.testing import write_random_store
+from trainer.model import unroll_layers
+from trainer.shapes import flops_per_token, param_count
 from trainer.train import BatchFeeder, checkpoint_write_threads, setup
 
 # What a user of these presets runs: Marin's context for them (1,024 tokens, packed documents)

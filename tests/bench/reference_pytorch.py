@@ -43,9 +43,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_trainer import BATCH, SEQ, VOCAB, MatmulPeak, Peak, preset_config
 
+from tests.support.trainer_data import write_random_store
 from trainer import hostmem
-from trainer.model import flops_per_token, param_count
-from trainer.testing import write_random_store
+from trainer.shapes import flops_per_token, param_count
 from trainer.train import BatchFeeder, setup
 
 

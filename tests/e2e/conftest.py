@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.testing import make_corpora
+from tests.support.tiny_pipeline import make_corpora
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.testing import TINY_STEPS, tiny_conf
+from tests.support.tiny_pipeline import TINY_STEPS, tiny_conf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

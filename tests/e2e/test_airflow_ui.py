@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.testing import tiny_conf
+from tests.support.tiny_pipeline import tiny_conf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.testing import TINY_STEPS, make_corpora, tiny_conf
+from tests.support.tiny_pipeline import TINY_STEPS, make_corpora, tiny_conf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from operators.testing import make_corpora, tiny_conf
 from tests.fakes.k8s_api import FakeKubernetesApiServer
+from tests.support.tiny_pipeline import make_corpora, tiny_conf
 
 NS = "train"
 IMAGE = "us-docker.pkg.dev/proj/slipway/slipway-trainer:test"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from trainer.testing import write_random_store
+from tests.support.trainer_data import write_random_store
 from trainer.train import main
 
 STEPS = 30

@@ -17,13 +17,18 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from tests.support.trainer_data import (
+    stdlib_texts,
+    train_sentencepiece,
+    write_random_store,
+    write_text_store,
+)
 from tokenstore import TokenStore
 from trainer import distributed as dist
 from trainer.config import load_config
 from trainer.evaluate import load_params
 from trainer.evaluate import main as eval_main
 from trainer.model import Transformer, document_batch
-from trainer.testing import stdlib_texts, train_sentencepiece, write_random_store, write_text_store
 from trainer.train import loss_and_stats
 from trainer.train import main as train_main
 

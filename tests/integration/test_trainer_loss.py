@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from tests.support.trainer_data import stdlib_texts, train_sentencepiece, write_text_store
 from tokenstore import TokenStore
 from trainer.data import unigram_entropy
-from trainer.testing import stdlib_texts, train_sentencepiece, write_text_store
 from trainer.train import main
 
 

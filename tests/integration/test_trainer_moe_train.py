@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import tensorstore as ts
 
+from tests.support.trainer_data import loss_curve, write_random_store
 from trainer.config import load_config
-from trainer.testing import loss_curve, write_random_store
 
 
 def test_moe_trains_and_logs_expert_stats(tmp_path):

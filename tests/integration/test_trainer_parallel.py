@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.testing import final_params, free_port, loss_curve, write_random_store
+from tests.support.trainer_data import final_params, free_port, loss_curve, write_random_store
 
 STEPS = 8
 TIMEOUT = 300

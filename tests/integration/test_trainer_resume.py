@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from tests.support.trainer_data import write_random_store
 from trainer.checkpoint import latest_step
-from trainer.testing import write_random_store
 from trainer.train import EXIT_RESTART
 
 STEPS = 40

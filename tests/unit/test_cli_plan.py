@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from operators.testing import make_corpora, tiny_conf
+from tests.support.tiny_pipeline import make_corpora, tiny_conf
 
 
 def _plan(conf: str, home) -> subprocess.CompletedProcess[str]:

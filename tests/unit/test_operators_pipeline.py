@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from operators.testing import make_corpora, tiny_conf
+from tests.support.tiny_pipeline import make_corpora, tiny_conf
 
 
 @pytest.fixture

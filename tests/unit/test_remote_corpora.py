@@ -14,7 +14,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from operators.testing import make_corpora, tiny_conf
+from tests.support.tiny_pipeline import make_corpora, tiny_conf
 
 
 @pytest.fixture

@@ -408,3 +408,9 @@ def test_slipway_plan_refuses_naming_the_field(tmp_path, conf, named):
     )
     assert result.returncode == 2, result
     assert named in result.stderr, result.stderr
+
+
+def test_the_trainers_own_checks_run_on_the_config_train_will_write(dag):
+    # The trainer's validation of the config file the train step writes, in the first task.
+    message = _refused(_form(dag, sources=[{"name": "brown", "weight": 0}]))
+    assert "trainer config: data.sources: weights must not all be 0" in message

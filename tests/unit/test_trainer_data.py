@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.trainer_data import write_random_store
 from tokenstore import TokenStore
 from trainer.data import MixtureLoader, block_counts, feistel_permute
-from trainer.testing import write_random_store
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 100, 1000, 4097])

@@ -12,16 +12,8 @@ import numpy as np
 import pytest
 
 from trainer.config import ModelConfig, MoEConfig, resolve_model
-from trainer.model import (
-    PRESETS,
-    Transformer,
-    active_matmul_params,
-    document_batch,
-    flops_per_token,
-    init_model,
-    param_count,
-    segments_and_positions,
-)
+from trainer.model import Transformer, document_batch, init_model, segments_and_positions
+from trainer.shapes import PRESETS, active_matmul_params, flops_per_token, param_count
 
 
 def _real_count(cfg: ModelConfig) -> int:

@@ -182,7 +182,7 @@ def tiny_conf(data_dir: Path, **overrides: object) -> dict:
     return conf
 
 
-if __name__ == "__main__":  # python -m operators.testing DIR -> prints the conf
+if __name__ == "__main__":  # python -m tests.support.tiny_pipeline DIR -> prints the conf
     import sys
 
     d = make_corpora(Path(sys.argv[1]))
