@@ -16,10 +16,11 @@ from airflow.sdk import DAG
 
 from operators.beam_stage import BeamStageOperator
 from operators.corpora import FetchCorporaOperator
+from operators.evaluation import EvaluationOperator
 from operators.params import pipeline_params
 from operators.record import RecordRunOperator
 from operators.split import HeldoutSplitOperator
-from operators.training import EvaluationOperator, TrainingOperator
+from operators.training import TrainingOperator
 from operators.validate import ValidateRunOperator
 
 with DAG(

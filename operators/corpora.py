@@ -71,8 +71,8 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
             content_id,
             eval_path,
             raw_path,
+            sources_of,
         )
-        from operators.params import sources_of
         from operators.settings import data_dir
         from operators.steps import format_plan, plan
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from operators.params import sources_of
 from operators.settings import data_dir
 from operators.steps import Step, join, output_of
 
@@ -124,6 +123,18 @@ def eval_set_paths(root: str) -> dict[str, str]:
     return {
         f[: -len(".jsonl.gz")]: join(folder, f) for f in sorted(names) if f.endswith(".jsonl.gz")
     }
+
+
+@dataclass(frozen=True)
+class Source:
+    """A training corpus of the run and its mixture weight (the form's ``sources``)."""
+
+    name: str
+    weight: float
+
+
+def sources_of(params: Mapping[str, Any]) -> tuple[Source, ...]:
+    return tuple(Source(str(s["name"]), float(s["weight"])) for s in params["sources"])
 
 
 def train_step_config(params: Mapping[str, Any], stores: Mapping[str, Any]) -> dict[str, Any]:

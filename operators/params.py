@@ -21,7 +21,6 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -324,16 +323,6 @@ class RunConfigError(ValueError):
     """A run form whose fields are each valid but do not fit together."""
 
 
-@dataclass(frozen=True)
-class Source:
-    name: str
-    weight: float
-
-
-def sources_of(params: Mapping[str, Any]) -> tuple[Source, ...]:
-    return tuple(Source(str(s["name"]), float(s["weight"])) for s in params["sources"])
-
-
 # The `gke` object's keys that say where the cluster is (operators.jobset.gke.ClusterSettings;
 # a unit test checks they agree), and those that go into the manifest.
 GKE_CLUSTER_KEYS = (
@@ -396,10 +385,10 @@ def _dataflow_problems(
     params: Mapping[str, Any], connection_project: Callable[[], str | None] | None
 ) -> list[str]:
     """runner=DataflowRunner: the settings the Beam stages will launch with, checked by the
-    code that builds them (:func:`operators.beam_stage.dataflow_settings`) from the same
+    code that builds them (:func:`operators.dataflow.dataflow_settings`) from the same
     sources -- the run's ``dataflow`` object over the platform's ``SLIPWAY_DATAFLOW_*``, the
     project falling back to the GCP connection's -- and storage the workers can reach."""
-    from operators.beam_stage import (
+    from operators.dataflow import (
         DataflowSettingsError,
         dataflow_settings,
         platform_dataflow_settings,
@@ -433,7 +422,7 @@ def _dataflow_problems(
 def _trainer_problems(params: Mapping[str, Any]) -> list[str]:
     """The trainer's own checks of the config the ``train`` step will write (the same code
     path, with stand-ins for the token stores the data plane has not made yet)."""
-    from operators.graph import train_step_config, trainer_run_config
+    from operators.graph import sources_of, train_step_config, trainer_run_config
     from trainer.config import ConfigError
 
     stores = {s.name: f"<token store of {s.name}>" for s in sources_of(params)}
@@ -468,6 +457,7 @@ def check_run_config(
     project's last fallback; called only when neither the run nor the platform names one.
     """
     # Lazy: parse-time imports stay at Param; the stage configs import their stage modules.
+    from operators.graph import sources_of
     from operators.jobset import ManifestError, TrainingLaunch
     from operators.jobset.mesh import MeshError, launch_mesh
     from operators.policy import RunPolicy

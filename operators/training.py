@@ -1,4 +1,4 @@
-"""Training and evaluation: the trainer's entrypoints launched as a JobSet.
+"""Training: the trainer's entrypoint launched as a JobSet.
 
 :class:`TrainingOperator` writes the trainer config (``trainer/config.py`` format) into the
 ``train`` step's output directory, renders the JobSet manifest (:mod:`operators.jobset`) and
@@ -24,20 +24,29 @@ exactly as a preemption would (SIGTERM: the trainer saves a checkpoint at the st
 and exits 42), then fails the task. It only fires when the run *starts* below step N, so the
 retry resumes from that checkpoint and completes: the recovery path is exercised end to end.
 
-:class:`EvaluationOperator` runs ``python -m trainer.evaluate`` on the final checkpoint through
-the same JobSet path, over the held-out store of each source and LAMBADA prose.
+Evaluation is :mod:`operators.evaluation`; what both launch with is :mod:`operators.launching`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from operators.launching import (
+    JOBSET_MANIFEST,
+    POLL_SECONDS,
+    TRAINER_CONFIG,
+    JobSetRunner,
+    TrainingFailed,
+    gke_launch_options,
+    is_gke,
+    jobset_name,
+    trainer_launch,
+    write_json,
+)
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
 from operators.steps import Step, StepResult, StepSpec, join, output_path
 from trainer import rundir
@@ -48,21 +57,9 @@ if TYPE_CHECKING:
     from operators.jobset.catalogue import SliceShape
     from operators.jobset.preflight import PreflightResult
 
-TRAINER_CONFIG = "trainer_config.json"
-JOBSET_MANIFEST = "jobset.json"
-POLL_SECONDS = 1.0
 GKE_POLL_SECONDS = 30.0  # a watch returns at once on a change; this bounds a quiet wait
 GKE_LOG_SECONDS = 60.0  # leader pod log lines in the task log this often
 FAULT_POLL_SECONDS = 0.05  # small models run hundreds of steps a second once compiled
-PROGRESS_SECONDS = 10.0  # the trainer prints no per-step lines: log metrics.jsonl this often
-
-
-class TrainingFailed(RuntimeError):
-    pass
-
-
-class FaultInjected(TrainingFailed):
-    pass
 
 
 # -- trainer output files: trainer/rundir.py owns the layout (JAX-free) -------------------------
@@ -78,104 +75,6 @@ def trainer_config(spec: StepSpec) -> dict[str, Any]:
     from operators.graph import trainer_run_config
 
     return trainer_run_config(spec.config, spec.output_path)
-
-
-def _jobset_name(kind: str, spec: StepSpec) -> str:
-    return f"slipway-{kind}-{spec.version[:8]}"
-
-
-class _JobSetRunner:
-    """Submit a manifest, stream its logs, watch it, cancel it on kill."""
-
-    def __init__(
-        self, operator: BaseOperator, backend: str, cluster: Mapping[str, Any] | None = None
-    ) -> None:
-        from operators.hooks.jobset import JobSetHook
-
-        self.operator = operator
-        self.backend = JobSetHook(
-            backend, cluster=cluster, log_sink=operator.log.info
-        ).get_backend()
-        self.handle: Any = None
-
-    def run(
-        self,
-        manifest: Mapping[str, Any],
-        watch: Any = None,
-        progress: Any = None,
-        poll_seconds: float = POLL_SECONDS,
-    ) -> Any:
-        self.handle = self.backend.submit(manifest)
-        self.operator.log.info("JobSet %s submitted (%s)", self.handle.name, self.handle.uid)
-        last_progress = time.monotonic()
-        try:
-            while True:
-                status = self.backend.poll(self.handle)
-                if status.done:
-                    if progress is not None:
-                        progress()
-                    return status
-                if watch is not None and (reason := watch()):
-                    self.operator.log.warning("%s: cancelling the JobSet", reason)
-                    self.backend.cancel(self.handle)
-                    raise FaultInjected(reason)
-                if progress is not None and time.monotonic() - last_progress >= PROGRESS_SECONDS:
-                    progress()
-                    last_progress = time.monotonic()
-                time.sleep(poll_seconds)
-        except BaseException:
-            self.cancel()
-            raise
-
-    def cancel(self) -> None:
-        if self.handle is not None:
-            status = self.backend.cancel(self.handle)
-            self.operator.log.info("JobSet %s cancelled: %s", self.handle.name, status.reason)
-
-
-def _launch(spec_name: str, params: Mapping[str, Any], **kwargs: Any) -> Any:
-    """The JobSet launch of a trainer entrypoint (training or evaluation) for this run: its
-    slice shape, and the device mesh that shape implies (``--set mesh.*``, after the
-    entrypoint's own arguments: :func:`operators.jobset.mesh.launch_mesh`)."""
-    from operators.jobset import TrainingLaunch
-    from operators.jobset.catalogue import resolve
-    from operators.jobset.mesh import launch_mesh, mesh_args
-
-    shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
-    mesh = launch_mesh(shape, params["model_preset"], params.get("mesh") or {})
-    args = kwargs.pop("args", None) or ("--config", kwargs.get("config_uri", ""))
-    labels = {"app.kubernetes.io/part-of": "slipway", **kwargs.pop("labels", {})}
-    return TrainingLaunch(
-        name=spec_name,
-        image=params["image"],
-        accelerator=params["accelerator"],
-        topology=params["topology"],
-        slices=int(params["slices"]),
-        labels=labels,
-        args=(*args, *mesh_args(mesh)),
-        **kwargs,
-    )
-
-
-def _is_gke(spec: StepSpec | Step) -> bool:
-    return spec.unversioned.get("backend", "local") == "gke"
-
-
-def _gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Namespace, Workload-Identity service account, Kueue queue and the step labels that let
-    a resubmission recognise its own JobSet (same name, same step version: adopt it)."""
-    from operators.jobset.gke import STEP_LABEL, STEP_VERSION_LABEL
-    from operators.params import gke_cluster
-
-    gke = dict(params.get("gke") or {})
-    options: dict[str, Any] = {
-        "namespace": gke_cluster(params).get("namespace", "default"),
-        "labels": {STEP_LABEL: spec.name, STEP_VERSION_LABEL: spec.version[:63]},
-    }
-    for key in ("service_account", "queue"):
-        if gke.get(key):
-            options[key] = gke[key]
-    return options
 
 
 def _training_result(out: str, status: Any, resumed_from: int | None) -> dict[str, Any]:
@@ -202,14 +101,6 @@ def _training_result(out: str, status: Any, resumed_from: int | None) -> dict[st
     }
 
 
-def _write_json(path: str, body: Any) -> None:
-    import fsspec
-
-    with fsspec.open(path, "w") as f:
-        json.dump(body, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
 class TrainingOperator(StepLineageMixin, BaseOperator):
     """The ``train`` step: trainer config -> JobSet -> checkpoints, metrics, result."""
 
@@ -226,7 +117,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         super().__init__(**kwargs)
         self.gke_poll_seconds = gke_poll_seconds
         self.gke_log_seconds = gke_log_seconds
-        self._jobset: _JobSetRunner | None = None
+        self._jobset: JobSetRunner | None = None
         self._gke: Any = None  # (backend, handle) while a gke submission is in this process
         # The TPU preflight's client: None is google-cloud-tpu's TpuClient with the GCP
         # connection's credentials (tests put a fake here; not a constructor argument, since
@@ -256,7 +147,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         params = self.run_params(context)
         graph = build_graph(params)
         step = graph.train
-        if _is_gke(step):
+        if is_gke(step):
             return self._execute_gke(context, params, step)
         result = self.run_step(
             context,
@@ -366,19 +257,19 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         if int(spec.unversioned.get("fail_at_step") or 0):
             self.log.warning("fail_at_step is a local-backend fault injection: ignored on gke")
         config_uri = join(out, TRAINER_CONFIG)
-        launch = _launch(
-            _jobset_name("train", spec),
+        launch = trainer_launch(
+            jobset_name("train", spec),
             params,
             config_uri=config_uri,
-            **_gke_launch_options(spec, params),
+            **gke_launch_options(spec, params),
         )
         cluster = gke_cluster(params)
         # Before anything is written or created: a zone without this TPU generation fails
         # the step in seconds instead of leaving pods pending on a node pool that cannot exist.
         self._tpu_preflight(launch.shape, cluster)
-        _write_json(config_uri, trainer_config(spec))
+        write_json(config_uri, trainer_config(spec))
         manifest = launch.render()
-        _write_json(join(out, JOBSET_MANIFEST), manifest)
+        write_json(join(out, JOBSET_MANIFEST), manifest)
         start = last_checkpoint(out)
         if start:
             self.log.info("resuming from checkpoint %s", start[1])
@@ -387,7 +278,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         self._gke = (backend, handle)
         try:
             # Read back after a trigger timeout (__fail__ carries no kwargs) and by followers.
-            _write_json(
+            write_json(
                 handle_file(out),
                 {
                     "handle": handle.to_dict(),
@@ -433,7 +324,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         def hook() -> Any:
             from airflow.providers.google.common.hooks.base_google import GoogleBaseHook
 
-            from operators.beam_stage import GCP_CONN_ID
+            from operators.dataflow import GCP_CONN_ID
 
             return GoogleBaseHook(gcp_conn_id=settings.gcp_conn_id or GCP_CONN_ID)
 
@@ -686,10 +577,10 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     def _train(self, spec: StepSpec, params: Mapping[str, Any]) -> dict[str, Any]:
         out = spec.output_path
         config_uri = join(out, TRAINER_CONFIG)
-        _write_json(config_uri, trainer_config(spec))
-        launch = _launch(_jobset_name("train", spec), params, config_uri=config_uri)
+        write_json(config_uri, trainer_config(spec))
+        launch = trainer_launch(jobset_name("train", spec), params, config_uri=config_uri)
         manifest = launch.render()
-        _write_json(join(out, JOBSET_MANIFEST), manifest)
+        write_json(join(out, JOBSET_MANIFEST), manifest)
         fail_at = int(spec.unversioned.get("fail_at_step") or 0)
         start = last_checkpoint(out)
         watch = None
@@ -706,7 +597,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             )
         if start:
             self.log.info("resuming from checkpoint %s", start[1])
-        self._jobset = _JobSetRunner(self, spec.unversioned.get("backend", "local"))
+        self._jobset = JobSetRunner(self, spec.unversioned.get("backend", "local"))
         status = self._jobset.run(
             manifest,
             watch,
@@ -777,117 +668,3 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         if self._gke is not None:
             backend, handle = self._gke
             backend.cancel(handle)
-
-
-class EvaluationOperator(StepLineageMixin, BaseOperator):
-    """The ``evaluate`` step: ``trainer.evaluate`` on the final checkpoint, per held-out store."""
-
-    ui_color = "#d0f5a9"
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("task_id", "evaluate")
-        super().__init__(**kwargs)
-        self._jobset: _JobSetRunner | None = None
-
-    def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-        from operators.graph import build_graph
-
-        root = self.steps_root()
-        step = build_graph(params).evaluate
-        inputs = [resolve_uri(step.config["train"], root)]
-        inputs += [resolve_uri(v, root) for v in step.config["stores"].values()]
-        return inputs, [output_path(root, step)]
-
-    def execute(self, context: Any) -> dict[str, Any]:
-        from operators.graph import TOKEN_STORE, TOKENIZER, build_graph
-        from operators.lineage import ArtifactType
-
-        params = self.run_params(context)
-        step = build_graph(params).evaluate
-        inputs = [
-            ArtifactRef(step.config["train"], ArtifactType.MODEL, role="trained_run"),
-            ArtifactRef(step.config["tokenizer"], TOKENIZER, role="tokenizer"),
-            *(
-                ArtifactRef(v, TOKEN_STORE, role=f"eval_data:{k}")
-                for k, v in step.config["stores"].items()
-            ),
-        ]
-        result = self.run_step(
-            context,
-            step,
-            lambda spec: self._evaluate(spec, params),
-            inputs=inputs,
-            outputs=self._outputs,
-        )
-        return {
-            "outcome": str(result.outcome),
-            "output": result.spec.output_path,
-            **(result.result or {}),
-        }
-
-    def _evaluate(self, spec: StepSpec, params: Mapping[str, Any]) -> dict[str, Any]:
-        c = spec.config
-        out = spec.output_path
-        stores = dict(c["stores"])
-        train_out = c["train"]
-        ckpt = last_checkpoint(train_out)
-        if ckpt is None:
-            raise TrainingFailed(f"{train_out} has no committed checkpoint to evaluate")
-        eval_json = join(out, "eval.json")
-        args = ["--config", join(train_out, TRAINER_CONFIG), "--step", str(ckpt[0])]
-        args += ["--max-tokens", str(c["max_tokens"]), "--output", eval_json]
-        args += ["--tokenizer", c["tokenizer"]]
-        for path in stores.values():
-            args += ["--store", path]
-        gke = _is_gke(spec)
-        launch = _launch(
-            _jobset_name("eval", spec),
-            params,
-            command=("python", "-m", "trainer.evaluate"),
-            args=tuple(args),
-            max_restarts=0,
-            **(_gke_launch_options(spec, params) if gke else {}),
-        )
-        if gke:
-            from operators.params import gke_cluster
-
-            # Evaluation takes minutes: it polls from the worker (no deferral), 10 s apart.
-            self._jobset = _JobSetRunner(self, "gke", gke_cluster(params))
-            status = self._jobset.run(launch.render(), poll_seconds=10.0)
-        else:
-            self._jobset = _JobSetRunner(self, spec.unversioned.get("backend", "local"))
-            status = self._jobset.run(launch.render())
-        body = _read_json(eval_json)
-        if not status.succeeded or body is None:
-            raise TrainingFailed(
-                f"evaluation JobSet {status.terminal_state} ({status.reason}); "
-                f"exit codes {status.exit_codes}"
-            )
-        by_path = {r["store"].rstrip("/"): r for r in body["results"]}
-        results = {}
-        for name, path in stores.items():
-            r = by_path.get(path.rstrip("/")) or by_path.get(os.path.abspath(path))
-            if r is None:
-                raise TrainingFailed(f"evaluation has no result for {name} ({path})")
-            results[name] = {k: r.get(k) for k in ("tokens", "loss", "perplexity", "bits_per_byte")}
-            _write_json(join(out, "results", f"{name}.json"), {"store": path, **results[name]})
-        return {"checkpoint": ckpt[1], "step": body["step"], "results": results}
-
-    @staticmethod
-    def _outputs(spec: StepSpec, result: StepResult) -> list[ArtifactRef]:
-        from operators.lineage import ArtifactType
-
-        r = dict(result.result or {})
-        return [
-            ArtifactRef(
-                join(spec.output_path, "results", f"{name}.json"),
-                ArtifactType.EVAL_RESULT,
-                role=name,
-                fields={"counts": metrics, "properties": {"checkpoint": r.get("checkpoint")}},
-            )
-            for name, metrics in (r.get("results") or {}).items()
-        ]
-
-    def on_kill(self) -> None:
-        if self._jobset is not None:
-            self._jobset.cancel()

@@ -407,7 +407,7 @@ def test_operator_defers_and_completes(fake, kubeconfig, home, params):
 
 
 def test_operator_failed_jobset_fails_step_and_lineage(fake, kubeconfig, home, params):
-    from operators.training import TrainingFailed
+    from operators.launching import TrainingFailed
 
     op = _operator()
     deferred = _defer(op, params)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from operators.beam_stage import (
+from operators.dataflow import (
     DATAFLOW_FIELDS,
     JOB_NAME_MAX,
     DataflowSettingsError,

@@ -742,7 +742,7 @@ def operators_source() -> str:
 
 def dataflow_env_names() -> frozenset[str]:
     """The SLIPWAY_DATAFLOW_<FIELD> names operators/beam_stage.py reads."""
-    from operators.beam_stage import DATAFLOW_ENV_PREFIX, DATAFLOW_FIELDS
+    from operators.dataflow import DATAFLOW_ENV_PREFIX, DATAFLOW_FIELDS
 
     return frozenset(DATAFLOW_ENV_PREFIX + f.upper() for f in DATAFLOW_FIELDS)
 

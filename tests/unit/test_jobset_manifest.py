@@ -397,7 +397,7 @@ def _run_form(**conf: Any) -> dict[str, Any]:
 def test_multislice_v5p_manifest_carries_the_matching_mesh():
     """The rendered GKE JobSet of an 8b run on 2 v5p slices: replica across the slices, the
     parameters sharded (fsdp) inside each, and the megascale settings the mesh relies on."""
-    from operators.training import _launch
+    from operators.launching import trainer_launch
     from trainer.distributed import mesh_shape
 
     params = _run_form(
@@ -408,7 +408,9 @@ def test_multislice_v5p_manifest_carries_the_matching_mesh():
         backend="gke",
         image="us-docker.pkg.dev/proj/slipway/trainer:abc123",
     )
-    manifest = _launch("slipway-train-12345678", params, config_uri="gs://b/run/cfg.json").render()
+    manifest = trainer_launch(
+        "slipway-train-12345678", params, config_uri="gs://b/run/cfg.json"
+    ).render()
     assert crd_errors(manifest) == []
     assert manifest["spec"]["replicatedJobs"][0]["replicas"] == 2
     container = pod_spec(manifest)["containers"][0]

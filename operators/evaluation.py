@@ -1,0 +1,143 @@
+"""The ``evaluate`` task: ``python -m trainer.evaluate`` on the final checkpoint, as a JobSet.
+
+Through the same launch path as training (:mod:`operators.launching`), over the held-out store
+of each source and the eval sets tokenized as prose (LAMBADA); one result file per store under
+the step's output, recorded in lineage as eval results.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators.launching import (
+    TRAINER_CONFIG,
+    JobSetRunner,
+    TrainingFailed,
+    gke_launch_options,
+    is_gke,
+    jobset_name,
+    trainer_launch,
+    write_json,
+)
+from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
+from operators.steps import StepResult, StepSpec, join, output_path
+from trainer.rundir import last_checkpoint
+from trainer.rundir import read_json as _read_json
+
+
+class EvaluationOperator(StepLineageMixin, BaseOperator):
+    """The ``evaluate`` step: ``trainer.evaluate`` on the final checkpoint, per held-out store."""
+
+    ui_color = "#d0f5a9"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("task_id", "evaluate")
+        super().__init__(**kwargs)
+        self._jobset: JobSetRunner | None = None
+
+    def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        from operators.graph import build_graph
+
+        root = self.steps_root()
+        step = build_graph(params).evaluate
+        inputs = [resolve_uri(step.config["train"], root)]
+        inputs += [resolve_uri(v, root) for v in step.config["stores"].values()]
+        return inputs, [output_path(root, step)]
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        from operators.graph import TOKEN_STORE, TOKENIZER, build_graph
+        from operators.lineage import ArtifactType
+
+        params = self.run_params(context)
+        step = build_graph(params).evaluate
+        inputs = [
+            ArtifactRef(step.config["train"], ArtifactType.MODEL, role="trained_run"),
+            ArtifactRef(step.config["tokenizer"], TOKENIZER, role="tokenizer"),
+            *(
+                ArtifactRef(v, TOKEN_STORE, role=f"eval_data:{k}")
+                for k, v in step.config["stores"].items()
+            ),
+        ]
+        result = self.run_step(
+            context,
+            step,
+            lambda spec: self._evaluate(spec, params),
+            inputs=inputs,
+            outputs=self._outputs,
+        )
+        return {
+            "outcome": str(result.outcome),
+            "output": result.spec.output_path,
+            **(result.result or {}),
+        }
+
+    def _evaluate(self, spec: StepSpec, params: Mapping[str, Any]) -> dict[str, Any]:
+        c = spec.config
+        out = spec.output_path
+        stores = dict(c["stores"])
+        train_out = c["train"]
+        ckpt = last_checkpoint(train_out)
+        if ckpt is None:
+            raise TrainingFailed(f"{train_out} has no committed checkpoint to evaluate")
+        eval_json = join(out, "eval.json")
+        args = ["--config", join(train_out, TRAINER_CONFIG), "--step", str(ckpt[0])]
+        args += ["--max-tokens", str(c["max_tokens"]), "--output", eval_json]
+        args += ["--tokenizer", c["tokenizer"]]
+        for path in stores.values():
+            args += ["--store", path]
+        gke = is_gke(spec)
+        launch = trainer_launch(
+            jobset_name("eval", spec),
+            params,
+            command=("python", "-m", "trainer.evaluate"),
+            args=tuple(args),
+            max_restarts=0,
+            **(gke_launch_options(spec, params) if gke else {}),
+        )
+        if gke:
+            from operators.params import gke_cluster
+
+            # Evaluation takes minutes: it polls from the worker (no deferral), 10 s apart.
+            self._jobset = JobSetRunner(self, "gke", gke_cluster(params))
+            status = self._jobset.run(launch.render(), poll_seconds=10.0)
+        else:
+            self._jobset = JobSetRunner(self, spec.unversioned.get("backend", "local"))
+            status = self._jobset.run(launch.render())
+        body = _read_json(eval_json)
+        if not status.succeeded or body is None:
+            raise TrainingFailed(
+                f"evaluation JobSet {status.terminal_state} ({status.reason}); "
+                f"exit codes {status.exit_codes}"
+            )
+        by_path = {r["store"].rstrip("/"): r for r in body["results"]}
+        results = {}
+        for name, path in stores.items():
+            r = by_path.get(path.rstrip("/")) or by_path.get(os.path.abspath(path))
+            if r is None:
+                raise TrainingFailed(f"evaluation has no result for {name} ({path})")
+            results[name] = {k: r.get(k) for k in ("tokens", "loss", "perplexity", "bits_per_byte")}
+            write_json(join(out, "results", f"{name}.json"), {"store": path, **results[name]})
+        return {"checkpoint": ckpt[1], "step": body["step"], "results": results}
+
+    @staticmethod
+    def _outputs(spec: StepSpec, result: StepResult) -> list[ArtifactRef]:
+        from operators.lineage import ArtifactType
+
+        r = dict(result.result or {})
+        return [
+            ArtifactRef(
+                join(spec.output_path, "results", f"{name}.json"),
+                ArtifactType.EVAL_RESULT,
+                role=name,
+                fields={"counts": metrics, "properties": {"checkpoint": r.get("checkpoint")}},
+            )
+            for name, metrics in (r.get("results") or {}).items()
+        ]
+
+    def on_kill(self) -> None:
+        if self._jobset is not None:
+            self._jobset.cancel()

@@ -1,0 +1,138 @@
+"""Launching a trainer entrypoint from a DAG task: the JobSet, its mesh, and following it.
+
+Shared by the ``train`` task (:mod:`operators.training`) and the ``evaluate`` task
+(:mod:`operators.evaluation`): both render a :class:`~operators.jobset.TrainingLaunch` for the
+run's slice shape (:func:`trainer_launch`, with the device mesh the shape implies), and, when
+the task itself waits for it, run it through :class:`JobSetRunner` (submit, stream the pods'
+logs into the task log, poll, cancel on kill).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators.steps import Step, StepSpec
+
+TRAINER_CONFIG = "trainer_config.json"
+JOBSET_MANIFEST = "jobset.json"
+POLL_SECONDS = 1.0
+PROGRESS_SECONDS = 10.0  # the trainer prints no per-step lines: log metrics.jsonl this often
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+class FaultInjected(TrainingFailed):
+    pass
+
+
+def jobset_name(kind: str, spec: StepSpec) -> str:
+    return f"slipway-{kind}-{spec.version[:8]}"
+
+
+class JobSetRunner:
+    """Submit a manifest, stream its logs, watch it, cancel it on kill."""
+
+    def __init__(
+        self, operator: BaseOperator, backend: str, cluster: Mapping[str, Any] | None = None
+    ) -> None:
+        from operators.hooks.jobset import JobSetHook
+
+        self.operator = operator
+        self.backend = JobSetHook(
+            backend, cluster=cluster, log_sink=operator.log.info
+        ).get_backend()
+        self.handle: Any = None
+
+    def run(
+        self,
+        manifest: Mapping[str, Any],
+        watch: Any = None,
+        progress: Any = None,
+        poll_seconds: float = POLL_SECONDS,
+    ) -> Any:
+        self.handle = self.backend.submit(manifest)
+        self.operator.log.info("JobSet %s submitted (%s)", self.handle.name, self.handle.uid)
+        last_progress = time.monotonic()
+        try:
+            while True:
+                status = self.backend.poll(self.handle)
+                if status.done:
+                    if progress is not None:
+                        progress()
+                    return status
+                if watch is not None and (reason := watch()):
+                    self.operator.log.warning("%s: cancelling the JobSet", reason)
+                    self.backend.cancel(self.handle)
+                    raise FaultInjected(reason)
+                if progress is not None and time.monotonic() - last_progress >= PROGRESS_SECONDS:
+                    progress()
+                    last_progress = time.monotonic()
+                time.sleep(poll_seconds)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            status = self.backend.cancel(self.handle)
+            self.operator.log.info("JobSet %s cancelled: %s", self.handle.name, status.reason)
+
+
+def trainer_launch(spec_name: str, params: Mapping[str, Any], **kwargs: Any) -> Any:
+    """The JobSet launch of a trainer entrypoint (training or evaluation) for this run: its
+    slice shape, and the device mesh that shape implies (``--set mesh.*``, after the
+    entrypoint's own arguments: :func:`operators.jobset.mesh.launch_mesh`)."""
+    from operators.jobset import TrainingLaunch
+    from operators.jobset.catalogue import resolve
+    from operators.jobset.mesh import launch_mesh, mesh_args
+
+    shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
+    mesh = launch_mesh(shape, params["model_preset"], params.get("mesh") or {})
+    args = kwargs.pop("args", None) or ("--config", kwargs.get("config_uri", ""))
+    labels = {"app.kubernetes.io/part-of": "slipway", **kwargs.pop("labels", {})}
+    return TrainingLaunch(
+        name=spec_name,
+        image=params["image"],
+        accelerator=params["accelerator"],
+        topology=params["topology"],
+        slices=int(params["slices"]),
+        labels=labels,
+        args=(*args, *mesh_args(mesh)),
+        **kwargs,
+    )
+
+
+def is_gke(spec: StepSpec | Step) -> bool:
+    return spec.unversioned.get("backend", "local") == "gke"
+
+
+def gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Namespace, Workload-Identity service account, Kueue queue and the step labels that let
+    a resubmission recognise its own JobSet (same name, same step version: adopt it)."""
+    from operators.jobset.gke import STEP_LABEL, STEP_VERSION_LABEL
+    from operators.params import gke_cluster
+
+    gke = dict(params.get("gke") or {})
+    options: dict[str, Any] = {
+        "namespace": gke_cluster(params).get("namespace", "default"),
+        "labels": {STEP_LABEL: spec.name, STEP_VERSION_LABEL: spec.version[:63]},
+    }
+    for key in ("service_account", "queue"):
+        if gke.get(key):
+            options[key] = gke[key]
+    return options
+
+
+def write_json(path: str, body: Any) -> None:
+    import fsspec
+
+    with fsspec.open(path, "w") as f:
+        json.dump(body, f, indent=2, sort_keys=True)
+        f.write("\n")
