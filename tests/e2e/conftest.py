@@ -27,7 +27,7 @@ from tests.support.tiny_pipeline import make_corpora
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 DAG_ID = "slipway_pipeline"
-HEARTBEAT_TIMEOUT_S = 60
+HEARTBEAT_TIMEOUT_S = 30
 
 
 def _free_port() -> int:
@@ -57,6 +57,11 @@ class Airflow:
             # A task whose worker died is failed by the scheduler this long after its last
             # heartbeat (default 300 s; the supervisor beats every few seconds).
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+            # The OpenLineage provider's real file transport: one JSON event per line.
+            "AIRFLOW__OPENLINEAGE__NAMESPACE": "slipway-e2e",
+            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                {"type": "file", "log_file_path": str(base / "openlineage.jsonl"), "append": True}
+            ),
         }
         # Nothing of the caller's Airflow or Slipway settings.
         self.env = {
@@ -126,6 +131,19 @@ class Airflow:
         self.client.close()
         if hasattr(self, "_log"):
             self._log.close()
+
+    def openlineage_events(self, run_id: str, task_id: str, event_type: str) -> list[dict]:
+        """The OpenLineage events the provider wrote for one task of one DAG run."""
+        path = self.base / "openlineage.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        events = [json.loads(line) for line in lines if line.strip()]
+        return [
+            e
+            for e in events
+            if e["job"]["name"] == f"{DAG_ID}.{task_id}"
+            and e["eventType"] == event_type
+            and e["run"]["facets"].get("airflow", {}).get("dagRun", {}).get("run_id") == run_id
+        ]
 
     def log_tail(self, n: int = 6000) -> str:
         try:

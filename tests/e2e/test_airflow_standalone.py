@@ -87,6 +87,10 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     assert states["train"] == "FAILED", af.task_log("e2e_fault", "train")
     assert "fail_at_step=5" in train.error
     assert train.properties["resumable"] and train.properties["last_checkpoint_step"] >= 5
+    # OpenLineage (the provider, from our operators' facets): train's FAIL names its output.
+    fails = af.openlineage_events("e2e_fault", "train", "FAIL")
+    assert fails, "no OpenLineage FAIL event for train"
+    assert any("train-" in d["name"] for d in fails[-1]["outputs"]), fails[-1]
     assert "evaluate" not in states  # upstream failed: never started
     assert not [e for e in executions if str(e.state) == "RUNNING"]
     summary = next(o.artifact.properties for o in nodes["record"].outputs)

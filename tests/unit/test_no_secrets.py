@@ -195,7 +195,12 @@ def doc_files() -> list[Path]:
 
 def chart_files() -> list[Path]:
     # charts/slipway/charts/ would hold the downloaded Airflow chart: not ours to scan.
-    return [p for p in _text_files(REPO / "charts") if "slipway/charts" not in p.as_posix()]
+    # (relative to the checkout: a clone may itself sit in a folder named slipway/)
+    return [
+        p
+        for p in _text_files(REPO / "charts")
+        if p.relative_to(REPO / "charts").parts[:2] != ("slipway", "charts")
+    ]
 
 
 def rendered_chart(which: str, chart_dir: Path = CHART) -> dict[str, str]:
