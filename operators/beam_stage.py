@@ -181,9 +181,8 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
                 options[key] = resolve_uri(value, root)
         out = join(spec.output_path, STAGE_OUT)
         options["output"] = out
-        options["config"] = json.dumps(
-            dict(params["stage_configs"].get(stage_step.stage, {})), sort_keys=True
-        )
+        # The stage's config as its step holds it: what the step's version was computed from.
+        options["config"] = json.dumps(dict(spec.config["config"]), sort_keys=True)
         self._identity = self._run_identity(context)
         self._beam = self.beam_operator(stage_step.stage, params, spec, options)
         self.log.info("%s: python -m pipelines.%s -> %s", spec.name, stage_step.stage, out)

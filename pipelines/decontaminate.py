@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
@@ -39,6 +38,7 @@ from apache_beam import pvalue
 
 from pipelines.beam_io import DEAD as READ_DEAD
 from pipelines.beam_io import RECORDS, ReadRecords
+from pipelines.configs import DecontaminateConfig
 from pipelines.documents import Document, InvalidRecord, dead_letter, validate_document
 from pipelines.stage import (
     StageError,
@@ -55,23 +55,6 @@ INVALID = "invalid"
 
 # ((eval set, n-gram length), sorted unique uint64 hashes)
 EvalIndex = Mapping[tuple[str, int], np.ndarray]
-
-
-@dataclass(frozen=True)
-class DecontaminateConfig:
-    eval_sets: tuple[str, ...] = ()  # paths/globs; --eval_set flags are appended
-    ngram: int = 13
-    min_overlap: int = 1  # distinct shared n-grams with one eval set that make a match
-    min_short_words: int = 8  # shorter eval texts are skipped; up to ngram-1 used whole
-
-    def __post_init__(self) -> None:
-        if isinstance(self.eval_sets, str) or not all(isinstance(p, str) for p in self.eval_sets):
-            raise ValueError("eval_sets must be a list of paths or globs")
-        object.__setattr__(self, "eval_sets", tuple(self.eval_sets))
-        for name in ("ngram", "min_overlap", "min_short_words"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
 
 
 # --- the eval side ----------------------------------------------------------------------------

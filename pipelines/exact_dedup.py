@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
+from pipelines.configs import ExactDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
 from pipelines.stage import StageOutputs, StageRun, stage_main
 from pipelines.text import dedup_key_text, line_spans, paragraph_spans
@@ -42,36 +42,12 @@ STAGE = "exact_dedup"
 DEAD = "dead_letter"
 CHARS = "chars"
 ERRORS = "errors"
-PARAGRAPH_UNITS = ("paragraph", "line")
 
 Span = tuple[int, int]
 # A document's place in the choice of canonical copy: its id, then its content, so that even
 # two records with one id resolve the same way on every runner.
 Rank = tuple[str, str]
 DocKey = tuple[str, str]  # (id, text hash)
-
-
-@dataclass(frozen=True)
-class ExactDedupConfig:
-    dedup_documents: bool = True
-    dedup_paragraphs: bool = True
-    remove_duplicate_paragraphs: bool = False  # False: only mark spans in metadata
-    paragraph_unit: str = "paragraph"  # "paragraph" (blank-line separated) or "line"
-    # Paragraphs with fewer normalized words are never compared: "Thanks," or "}" recur
-    # everywhere and say nothing about copied content.
-    min_paragraph_words: int = 3
-
-    def __post_init__(self) -> None:
-        if self.paragraph_unit not in PARAGRAPH_UNITS:
-            raise ValueError(
-                f"paragraph_unit must be one of {', '.join(PARAGRAPH_UNITS)},"
-                f" not {self.paragraph_unit!r}"
-            )
-        if self.min_paragraph_words < 1:
-            raise ValueError("min_paragraph_words must be >= 1")
-        for name in ("dedup_documents", "dedup_paragraphs", "remove_duplicate_paragraphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false")
 
 
 def text_hash(text: str) -> str:

@@ -37,13 +37,13 @@ import itertools
 import logging
 import struct
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
+from pipelines.configs import FuzzyDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
 from pipelines.minhash import (
     MinHashParams,
@@ -51,7 +51,6 @@ from pipelines.minhash import (
     estimated_jaccard,
     lsh_error_areas,
     make_hasher,
-    optimal_bands,
     signatures,
 )
 from pipelines.stage import StageOutputs, StageRun, stage_main
@@ -77,49 +76,6 @@ _BUCKET = ">HQ"  # (band index, bucket hash): a 10-byte shuffle key
 
 class NonConvergenceError(RuntimeError):
     """Connected components were not resolved within ``max_rounds``."""
-
-
-@dataclass(frozen=True)
-class FuzzyDedupConfig:
-    threshold: float = 0.8  # estimated Jaccard of shingle sets that makes a pair an edge
-    num_perm: int = 256
-    ngram: int = 5  # words per shingle
-    seed: int = 1
-    bands: int = 0  # 0 with rows=0: derived from num_perm and threshold by optimal_bands
-    rows: int = 0
-    # LSH misses are lost for good while LSH false positives only cost a verification (every
-    # candidate is checked against the full signature), so misses weigh 9x more.
-    false_positive_weight: float = 0.1
-    false_negative_weight: float = 0.9
-    max_rounds: int = 12  # large-star/small-star rounds unrolled in the pipeline
-    fail_on_nonconvergence: bool = False
-    batch_size: int = 256  # documents per vectorized MinHash call
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.threshold < 1.0:
-            raise ValueError("threshold must be in (0, 1)")
-        if self.num_perm < 1 or self.ngram < 1 or self.batch_size < 1 or self.max_rounds < 1:
-            raise ValueError("num_perm, ngram, batch_size and max_rounds must be >= 1")
-        if (self.bands == 0) != (self.rows == 0):
-            raise ValueError("set both bands and rows, or neither (derived)")
-        if self.bands < 0 or self.rows < 0 or self.bands * self.rows > self.num_perm:
-            raise ValueError("need bands * rows <= num_perm")
-        if self.bands > 0xFFFF:
-            raise ValueError("at most 65535 bands")
-        if min(self.false_positive_weight, self.false_negative_weight) < 0:
-            raise ValueError("LSH error weights must be >= 0")
-
-    @property
-    def minhash(self) -> MinHashParams:
-        return MinHashParams(num_perm=self.num_perm, ngram=self.ngram, seed=self.seed)
-
-    def lsh(self) -> tuple[int, int]:
-        """(bands, rows): the configured ones, or the optimum for threshold and num_perm."""
-        if self.bands:
-            return self.bands, self.rows
-        return optimal_bands(
-            self.threshold, self.num_perm, self.false_positive_weight, self.false_negative_weight
-        )
 
 
 def node_key(doc: Document) -> NodeKey:

@@ -12,32 +12,19 @@ Duplicate ids keep one record (deterministically) and dead-letter the rest.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
+from pipelines.configs import IngestConfig
 from pipelines.documents import Document, dead_letter, make_document
 from pipelines.stage import StageOutputs, StageRun, stage_main
 from pipelines.text import normalize_text
 
 STAGE = "ingest"
 DEAD = "dead_letter"
-
-
-@dataclass(frozen=True)
-class IngestConfig:
-    source: str = ""  # source name for records that carry none
-    text_field: str = "text"
-    id_field: str = "id"
-    min_chars: int = 1
-    max_chars: int = 5_000_000  # longer documents are dropped as "too_long"
-
-    def __post_init__(self) -> None:
-        if self.min_chars < 1 or self.max_chars < self.min_chars:
-            raise ValueError("need 1 <= min_chars <= max_chars")
 
 
 def stable_id(source: str, text: str) -> str:

@@ -19,17 +19,17 @@ multi-megabyte document costs seconds, never minutes.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
+from pipelines.configs import QualityConfig, QualityThresholds
 from pipelines.documents import Document, dead_letter
 from pipelines.stage import StageOutputs, StageRun, stage_main
 from pipelines.text import line_spans, ngram_hashes, paragraph_spans, token_hashes, words
@@ -64,55 +64,6 @@ SCORE_DIGITS = 6
 
 
 # --- thresholds -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QualityThresholds:
-    """One set of rule thresholds; ``None`` switches a rule off, ``enabled=False`` all of them."""
-
-    enabled: bool = True
-    # Gopher quality filters.
-    min_words: int | None = 50
-    max_words: int | None = 100_000
-    min_mean_word_length: float | None = 3.0
-    max_mean_word_length: float | None = 10.0
-    max_hash_word_ratio: float | None = 0.1
-    max_ellipsis_word_ratio: float | None = 0.1
-    max_bullet_line_fraction: float | None = 0.9
-    max_ellipsis_line_fraction: float | None = 0.3
-    min_alpha_word_fraction: float | None = 0.8
-    min_stop_words: int | None = 2
-    # C4 filters. C4 removes lines without terminal punctuation; at document level we follow
-    # FineWeb's 0.12 floor on the fraction of lines that end in it.
-    min_terminal_punctuation_line_fraction: float | None = 0.12
-    max_lorem_ipsum: int | None = 0
-    max_boilerplate_line_fraction: float | None = 0.2
-    max_curly_brackets: int | None = None  # C4 drops any "{"; off: code sources are wanted
-    # Gopher repetition filters.
-    max_duplicate_line_fraction: float | None = 0.30
-    max_duplicate_paragraph_fraction: float | None = 0.30
-    max_duplicate_line_char_fraction: float | None = 0.20
-    max_duplicate_paragraph_char_fraction: float | None = 0.20
-    max_top_2gram_char_fraction: float | None = 0.20
-    max_top_3gram_char_fraction: float | None = 0.18
-    max_top_4gram_char_fraction: float | None = 0.16
-    max_duplicate_5gram_char_fraction: float | None = 0.15
-    max_duplicate_6gram_char_fraction: float | None = 0.14
-    max_duplicate_7gram_char_fraction: float | None = 0.13
-    max_duplicate_8gram_char_fraction: float | None = 0.12
-    max_duplicate_9gram_char_fraction: float | None = 0.11
-    max_duplicate_10gram_char_fraction: float | None = 0.10
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "enabled":
-                if not isinstance(value, bool):
-                    raise ValueError(f"enabled must be true or false, not {value!r}")
-            elif value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-            ):
-                raise ValueError(f"{f.name} must be a number >= 0 or null, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -175,53 +126,6 @@ def apply_thresholds(scores: Mapping[str, float], thresholds: QualityThresholds)
         if score is None or (score < limit if rule.is_min else score > limit):
             failed.append(rule.name)
     return failed
-
-
-def _replace_thresholds(base: QualityThresholds, values: Any, where: str) -> QualityThresholds:
-    if isinstance(values, QualityThresholds):
-        return values
-    if not isinstance(values, Mapping):
-        raise ValueError(f"{where} must be an object of thresholds, not {values!r}")
-    known = {f.name for f in dataclasses.fields(QualityThresholds)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown threshold(s) in {where}: {', '.join(unknown)} (known: {', '.join(sorted(known))})"
-        )
-    return dataclasses.replace(base, **values)
-
-
-@dataclass(frozen=True)
-class QualityConfig:
-    """Default thresholds plus per-source overrides (only the fields an override names change).
-
-    ``sources`` maps a document ``source`` to a partial mapping of ``QualityThresholds`` fields,
-    kept as given so the manifest records exactly what was asked for.
-    """
-
-    thresholds: QualityThresholds = field(default_factory=QualityThresholds)
-    sources: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        base = _replace_thresholds(QualityThresholds(), self.thresholds, "thresholds")
-        object.__setattr__(self, "thresholds", base)
-        if not isinstance(self.sources, Mapping):
-            raise ValueError("sources must map source names to threshold objects")
-        sources = {}
-        for name in sorted(self.sources):
-            overrides = self.sources[name]
-            if isinstance(overrides, QualityThresholds):
-                overrides = dataclasses.asdict(overrides)
-            _replace_thresholds(base, overrides, f"sources[{name!r}]")  # validates
-            sources[str(name)] = dict(overrides)
-        object.__setattr__(self, "sources", sources)
-
-    def resolved(self) -> dict[str, QualityThresholds]:
-        """Each overridden source's full thresholds."""
-        return {
-            name: _replace_thresholds(self.thresholds, overrides, name)
-            for name, overrides in self.sources.items()
-        }
 
 
 # --- scoring ----------------------------------------------------------------------------------

@@ -15,19 +15,17 @@ import numpy as np
 import sentencepiece as sentencepiece_lib
 
 from pipelines import storage
+
+# The reserved ids, the first four of every vocabulary, are defined with the tokenizer's config.
+from pipelines.configs import BOS_ID as BOS_ID
+from pipelines.configs import EOS_ID as EOS_ID
+from pipelines.configs import PAD_ID as PAD_ID
+from pipelines.configs import SPECIAL_IDS as SPECIAL_IDS
+from pipelines.configs import UNK_ID as UNK_ID
 from pipelines.stage import StageError
 
 MODEL_NAME = "tokenizer.model"
 VOCAB_NAME = "tokenizer.vocab"
-
-# Reserved ids, the first four of every vocabulary. pad is 0 so zero-filled buffers are padding;
-# eos is what tokenization appends to every document (and what the trainer's data loader
-# splits documents on).
-PAD_ID = 0
-UNK_ID = 1
-BOS_ID = 2
-EOS_ID = 3
-SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
 
 MAX_AUTO_THREADS = 8
 

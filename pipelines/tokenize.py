@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import apache_beam as beam
@@ -53,6 +53,7 @@ from pipelines.beam_io import (
     read_source,
     stable_shard,
 )
+from pipelines.configs import TokenizeConfig
 from pipelines.documents import DeadLetter, Document, dead_letter
 from pipelines.manifest import ShardInfo
 from pipelines.stage import StageError
@@ -63,22 +64,6 @@ STAGE = "tokenize"
 KIND = "token-store"
 
 Row = tuple[str, str]  # (id, text): all that tokenization needs crosses the shuffle
-
-
-@dataclass(frozen=True)
-class TokenizeConfig:
-    tokenizer: str = ""  # tokenizer directory (stage 6 output) or .model file; --tokenizer
-    encode_threads: int = 0  # SentencePiece threads per batch; 0 = one per CPU (max 8)
-    batch_docs: int = 1024  # documents per encode call
-    # Re-shard by id through a shuffle even when the inputs are already id-sharded stage
-    # outputs (the store is the same either way; this is for comparison and tests).
-    shuffle: bool = False
-
-    def __post_init__(self) -> None:
-        if self.encode_threads < 0:
-            raise ValueError("encode_threads must be >= 0")
-        if self.batch_docs < 1:
-            raise ValueError("batch_docs must be >= 1")
 
 
 def token_shard_name(index: int, num_shards: int) -> str:

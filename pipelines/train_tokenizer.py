@@ -42,7 +42,6 @@ import functools
 import io
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
@@ -61,6 +60,7 @@ from pipelines.artifact_stage import (
     file_info,
 )
 from pipelines.beam_io import stable_shard
+from pipelines.configs import TrainTokenizerConfig
 from pipelines.documents import Document
 from pipelines.stage import StageError
 
@@ -69,7 +69,6 @@ log = logging.getLogger(__name__)
 STAGE = "train_tokenizer"
 KIND = "tokenizer"
 HASH_SPACE = 1 << 64
-NORMALIZATIONS = ("identity", "nfkc")
 # Candidates are (hash, id, characters); the budget accumulator is re-trimmed this often.
 COMPACT_EVERY = 1 << 16
 
@@ -81,35 +80,6 @@ DECISION = "decision"
 
 Candidate = tuple[int, str, int]
 CutKey = tuple[int, str]
-
-
-@dataclass(frozen=True)
-class TrainTokenizerConfig:
-    vocab_size: int = 32_000
-    sample_rate: float = 1.0  # fraction of documents that are candidates (stable hash of id)
-    max_sample_chars: int = 100_000_000  # budget, in document characters
-    seed: int = 0  # hash seed: another seed chooses another sample
-    max_line_chars: int = 4096  # longer lines are cut into pieces for training
-    character_coverage: float = 0.9995  # rarer characters are left to byte fallback
-    normalization: str = "identity"  # "identity" (exact round trip) or "nfkc"
-    split_digits: bool = True
-    max_piece_length: int = 16
-    num_threads: int = 4  # recorded in the model file, so fixed rather than os.cpu_count()
-
-    def __post_init__(self) -> None:
-        minimum = len(spm.SPECIAL_IDS) + 256 + 1
-        if self.vocab_size < minimum:
-            raise ValueError(f"vocab_size must be >= {minimum} (specials + 256 byte pieces + 1)")
-        if not 0.0 < self.sample_rate <= 1.0:
-            raise ValueError("sample_rate must be in (0, 1]")
-        if self.max_sample_chars < 1 or self.max_line_chars < 1:
-            raise ValueError("max_sample_chars and max_line_chars must be >= 1")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization must be one of {NORMALIZATIONS}")
-        if not 0.0 < self.character_coverage <= 1.0:
-            raise ValueError("character_coverage must be in (0, 1]")
-        if self.num_threads < 1 or self.max_piece_length < 1:
-            raise ValueError("num_threads and max_piece_length must be >= 1")
 
 
 # --- sample selection ------------------------------------------------------------------------
