@@ -37,7 +37,8 @@ IMAGE = "us-central1-docker.pkg.dev/slipway-test/slipway/slipway-beam:0.1.0"
 ACCOUNT = "slipway-dataflow@slipway-test.iam.gserviceaccount.com"
 ROOT = f"{BUCKET}/slipway/steps"
 RAW = f"{BUCKET}/data/raw/brown.jsonl.gz"
-STEP = Step("ingest", {"stage": "ingest", "input": [RAW]})
+# The stage config is the step's (what its version hashes); the run form holds the same.
+STEP = Step("ingest", {"stage": "ingest", "config": {"source": "web"}, "input": [RAW]})
 VERSION = STEP.version
 OUT = f"{ROOT}/ingest-{VERSION[:8]}/output"
 JOB_ID = "2026-05-01_01_02_03-1234567890123456789"
