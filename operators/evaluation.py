@@ -1,4 +1,5 @@
-"""The ``evaluate`` task: ``python -m trainer.evaluate`` on the final checkpoint, as a JobSet.
+"""The ``evaluate`` task: ``python -m trainer.evaluate`` on the final checkpoint, as a JobSet
+on one slice of the training topology.
 
 Through the same launch path as training (:mod:`operators.launching`), over the held-out store
 of each source and the eval sets tokenized as prose (LAMBADA); one result file per store under
@@ -95,6 +96,9 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
             params,
             command=("python", "-m", "trainer.evaluate"),
             args=tuple(args),
+            # One slice of the training topology: with the replica axis across slices, each
+            # slice holds the whole model, and evaluation needs no more than a slice.
+            slices=1,
             max_restarts=0,
             **(gke_launch_options(spec, params) if gke else {}),
         )

@@ -85,15 +85,19 @@ class JobSetRunner:
             self.operator.log.info("JobSet %s cancelled: %s", self.handle.name, status.reason)
 
 
-def trainer_launch(spec_name: str, params: Mapping[str, Any], **kwargs: Any) -> Any:
+def trainer_launch(
+    spec_name: str, params: Mapping[str, Any], *, slices: int | None = None, **kwargs: Any
+) -> Any:
     """The JobSet launch of a trainer entrypoint (training or evaluation) for this run: its
-    slice shape, and the device mesh that shape implies (``--set mesh.*``, after the
-    entrypoint's own arguments: :func:`operators.jobset.mesh.launch_mesh`)."""
+    slice shape (the run's, or ``slices`` of its topology), and the device mesh that shape
+    implies (``--set mesh.*``, after the entrypoint's own arguments:
+    :func:`operators.jobset.mesh.launch_mesh`)."""
     from operators.jobset import TrainingLaunch
     from operators.jobset.catalogue import resolve
     from operators.jobset.mesh import launch_mesh, mesh_args
 
-    shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
+    slices = int(params["slices"]) if slices is None else slices
+    shape = resolve(params["accelerator"], params["topology"], slices)
     mesh = launch_mesh(shape, params["model_preset"], params.get("mesh") or {})
     args = kwargs.pop("args", None) or ("--config", kwargs.get("config_uri", ""))
     labels = {"app.kubernetes.io/part-of": "slipway", **kwargs.pop("labels", {})}
@@ -102,7 +106,7 @@ def trainer_launch(spec_name: str, params: Mapping[str, Any], **kwargs: Any) -> 
         image=params["image"],
         accelerator=params["accelerator"],
         topology=params["topology"],
-        slices=int(params["slices"]),
+        slices=slices,
         labels=labels,
         args=(*args, *mesh_args(mesh)),
         **kwargs,
