@@ -55,9 +55,10 @@ demo: install corpora
 	$(AIRFLOW_ENV) $(PY) -m operators.summary; \
 	if [ $$status -ne 0 ]; then tail -40 $(OUT)/demo.log; exit $$status; fi
 
-# The data plane alone, without Airflow (pipelines/demo.py).
+# The data plane alone, without Airflow: the pipeline graph walked up to the token stores
+# (operators/dataplane.py), outputs under $(OUT)/steps as a DAG run would leave them.
 demo-data: install
-	$(PY) -m pipelines.demo --data-dir $(DATA) --output $(OUT)/demo
+	$(AIRFLOW_ENV) $(PY) -m operators.dataplane
 
 # The Airflow UI on http://localhost:$(AIRFLOW_PORT) (scheduler, dag-processor, API server,
 # triggerer; LocalExecutor on SQLite). The DAG starts paused: trigger it from the form.

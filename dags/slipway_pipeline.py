@@ -5,6 +5,9 @@ before the run starts) or ``airflow dags test slipway_pipeline``. Every task is 
 content-addressed step: a rerun or backfill skips what already succeeded (lineage CACHED)
 and training resumes from its last checkpoint. See docs/orchestration.md.
 
+The tasks and their edges are the pipeline's one table (``operators/pipeline.py``); this file
+says which operator runs each role.
+
 Kept thin: imports ``operators`` only, whose modules import Beam, JAX and TensorStore lazily.
 """
 
@@ -12,16 +15,33 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG
+from airflow.sdk import DAG, BaseOperator
 
 from operators.beam_stage import BeamStageOperator
 from operators.corpora import FetchCorporaOperator
 from operators.evaluation import EvaluationOperator
 from operators.params import pipeline_params
+from operators.pipeline import PIPELINE, Role, TaskDef, edges, table_of_contents
 from operators.record import RecordRunOperator
 from operators.split import HeldoutSplitOperator
 from operators.training import TrainingOperator
 from operators.validate import ValidateRunOperator
+
+
+def operator_for(task: TaskDef) -> BaseOperator:
+    """The operator that runs one task of the table."""
+    if task.role is Role.BEAM:
+        return BeamStageOperator(stage_task=task.task_id, doc_md=task.summary)
+    operator = {
+        Role.VALIDATE: ValidateRunOperator,
+        Role.FETCH: FetchCorporaOperator,
+        Role.SPLIT: HeldoutSplitOperator,
+        Role.TRAIN: TrainingOperator,
+        Role.EVALUATE: EvaluationOperator,
+        Role.RECORD: RecordRunOperator,
+    }[task.role]
+    return operator(task_id=task.task_id, doc_md=task.summary)
+
 
 with DAG(
     dag_id="slipway_pipeline",
@@ -36,33 +56,8 @@ with DAG(
     params=pipeline_params(),
     default_args={"retries": 0, "retry_delay": timedelta(minutes=1)},
     tags=["slipway", "pipeline"],
-    doc_md=__doc__,
+    doc_md=f"{__doc__}\n\n{table_of_contents()}",
 ) as dag:
-    validate = ValidateRunOperator()
-    fetch = FetchCorporaOperator()
-    stages = {
-        name: BeamStageOperator(stage_task=name)
-        for name in ("ingest", "quality", "exact_dedup", "fuzzy_dedup", "decontaminate")
-    }
-    split = HeldoutSplitOperator()
-    train_tokenizer = BeamStageOperator(stage_task="train_tokenizer")
-    tokenize = BeamStageOperator(stage_task="tokenize")
-    train = TrainingOperator()
-    evaluate = EvaluationOperator()
-    record = RecordRunOperator()
-
-    (
-        validate
-        >> fetch
-        >> stages["ingest"]
-        >> stages["quality"]
-        >> stages["exact_dedup"]
-        >> stages["fuzzy_dedup"]
-        >> stages["decontaminate"]
-        >> split
-        >> train_tokenizer
-        >> tokenize
-        >> train
-        >> evaluate
-        >> record
-    )
+    tasks = {task.task_id: operator_for(task) for task in PIPELINE}
+    for upstream, downstream in edges():
+        tasks[upstream] >> tasks[downstream]

@@ -14,7 +14,8 @@ launcher's command line; :func:`dataflow_job_name` and :func:`dataflow_labels` m
 traceable to the Airflow run (DAG, run, task, step version); the provider follows the job and
 ``on_kill`` cancels it (by id, or by its unique name while the launcher is still submitting).
 
-Each stage run is one step of :mod:`operators.graph`: a SUCCESS output is a cache hit (no Beam
+Each stage run is one step of :mod:`operators.graph` (its options:
+:func:`operators.graph.stage_options`, shared with the data-plane walker ``operators.dataplane``): a SUCCESS output is a cache hit (no Beam
 job, lineage CACHED); otherwise the job writes into the step's output directory and lineage
 gets the manifest's counts. The ``tokenize`` task runs several steps (one token store per
 source and split, plus eval prose), each cached on its own.
@@ -23,7 +24,6 @@ source and split, plus eval prose), each cached on its own.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -127,27 +127,27 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         self._beam: Any = None  # the provider operator running the current stage
         self._identity: RunIdentity | None = None  # set per stage run: names Dataflow jobs
 
-    def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-        from operators.graph import build_graph
+    def planned_io(self, context: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         from operators.steps import output_path
 
         root = self.steps_root()
-        stages = build_graph(params).stages[self.stage_task]
+        stages = self.step_graph(context).stages[self.stage_task]
         inputs = [resolve_uri(ref[0], root) for s in stages for ref in s.inputs]
         return inputs, [join(output_path(root, s.step), STAGE_OUT) for s in stages]
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
-        from operators.graph import build_graph
-
         params = self.run_params(context)
-        graph = build_graph(params)
+        graph = self.step_graph(context)
         results = []
         for stage_step in graph.stages[self.stage_task]:
             result = self.run_step(
                 context,
                 stage_step.step,
                 lambda spec, s=stage_step: self._run_stage(context, params, s, spec),
-                inputs=[ArtifactRef(u, t, r) for u, t, r in stage_step.inputs],
+                inputs=[
+                    ArtifactRef(u, t, r, fields=graph.input_fields(u))
+                    for u, t, r in stage_step.inputs
+                ],
                 outputs=lambda spec, res, s=stage_step: self._outputs(s.output_type, spec, res),
                 output_subpath=STAGE_OUT,
             )
@@ -170,19 +170,10 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
     def _run_stage(
         self, context: Any, params: Mapping[str, Any], stage_step: Any, spec: StepSpec
     ) -> dict[str, Any]:
-        root = self.steps_root()
-        options: dict[str, Any] = {}
-        for key, value in stage_step.options.items():
-            if isinstance(value, list | tuple):
-                options[key] = [resolve_uri(v, root) for v in value]
-            elif isinstance(value, Mapping):
-                options[key] = json.dumps(value)
-            else:
-                options[key] = resolve_uri(value, root)
-        out = join(spec.output_path, STAGE_OUT)
-        options["output"] = out
-        # The stage's config as its step holds it: what the step's version was computed from.
-        options["config"] = json.dumps(dict(spec.config["config"]), sort_keys=True)
+        from operators.graph import stage_options
+
+        options = stage_options(stage_step, spec, self.steps_root())
+        out = options["output"]
         self._identity = self._run_identity(context)
         self._beam = self.beam_operator(stage_step.stage, params, spec, options)
         self.log.info("%s: python -m pipelines.%s -> %s", spec.name, stage_step.stage, out)

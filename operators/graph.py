@@ -1,17 +1,23 @@
-"""The run's step graph: a pure function of the run form (Marin's executor, on Airflow).
+"""The run's step graph: a pure function of the run form and the corpora's content.
 
-Every task rebuilds the same graph from the run's params and picks its own steps, so versions
-agree across tasks, processes and machines without passing them through XCom. A step's
-version covers what it computes (stage config, raw input content, upstream versions); how it
-runs (runner, workers, accelerator, backend, fault injection) is unversioned.
+:mod:`operators.pipeline` says which tasks there are and what each reads; this module gives
+each task its content-addressed steps (Marin's executor, on Airflow). A step's version covers
+what it computes (stage config, raw input content, upstream versions); how it runs (runner,
+workers, accelerator, backend, fault injection) is unversioned.
 
-Raw inputs enter the versions by *content* (sha256), not only by path: refetched corpora
-with new bytes give new versions, unchanged ones keep every downstream cache hit.
+Raw inputs enter the versions by *content* (sha256), not only by path: refetched corpora with
+new bytes give new versions, unchanged ones keep every downstream cache hit.
+
+Resolved once per DAG run: the ``fetch`` task hashes the corpora and writes the resolved graph
+(content ids and every step's key) to the run's folder (:func:`write_resolved`) and lineage;
+every later task rebuilds the graph from the form with those ids (:func:`graph_for_run`), so
+versions agree across tasks, processes and machines and no task hashes a corpus file again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import posixpath
 from collections.abc import Mapping
@@ -19,8 +25,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from operators import pipeline
+from operators.pipeline import DOCUMENT_STAGES
 from operators.settings import data_dir
 from operators.steps import Step, join, output_of
+
+log = logging.getLogger(__name__)
 
 # What each stage's output is, for lineage.
 DATASET, TOKENIZER, TOKEN_STORE = "dataset", "tokenizer", "token_store"
@@ -61,10 +71,25 @@ class Graph:
     eval_stores: Mapping[str, Step] = field(default_factory=dict)
     raw_inputs: Mapping[str, str] = field(default_factory=dict)
     eval_sets: Mapping[str, str] = field(default_factory=dict)
+    content_ids: Mapping[str, str] = field(default_factory=dict)  # raw/eval path -> content id
+
+    def task_steps(self) -> dict[str, tuple[Step, ...]]:
+        """Each task's steps, in pipeline order (tasks without steps are left out)."""
+        by_task = {
+            **{task: tuple(s.step for s in group) for task, group in self.stages.items()},
+            "split": (self.split,),
+            "train": (self.train,),
+            "evaluate": (self.evaluate,),
+        }
+        return {t.task_id: by_task[t.task_id] for t in pipeline.PIPELINE if t.task_id in by_task}
 
     def all_steps(self) -> list[Step]:
-        steps = [s.step for group in self.stages.values() for s in group]
-        return [*steps, self.split, self.train, self.evaluate]
+        return [step for steps in self.task_steps().values() for step in steps]
+
+    def input_fields(self, uri: Any) -> dict[str, Any]:
+        """The content id of a raw or eval file this graph read (lineage input fields)."""
+        cid = self.content_ids.get(uri) if isinstance(uri, str) else None
+        return {"content_hash": cid} if cid else {}
 
 
 @lru_cache(maxsize=256)
@@ -106,6 +131,24 @@ def raw_path(root: str, name: str) -> str:
 
 def eval_path(root: str, name: str) -> str:
     return join(root, "eval", f"{name}.jsonl.gz")
+
+
+def _exists(path: str) -> bool:
+    if not _remote(path):
+        return os.path.exists(path.removeprefix("file://"))
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return fs.exists(p)
+
+
+def missing_corpora(params: Mapping[str, Any]) -> list[str]:
+    """The run's sources (and ``eval``, for the eval sets) not yet under its data folder."""
+    data = data_dir(params.get("data_dir"))
+    missing = [s.name for s in sources_of(params) if not _exists(raw_path(data, s.name))]
+    if any(not _exists(eval_path(data, e)) for e in EVAL_STORES):
+        missing.append("eval")
+    return missing
 
 
 def eval_set_paths(root: str) -> dict[str, str]:
@@ -186,8 +229,12 @@ def trainer_run_config(config: Mapping[str, Any], output_dir: str) -> dict[str, 
     return to_dict(cfg)
 
 
-def build_graph(params: Mapping[str, Any]) -> Graph:
-    """The run's steps. Needs the raw and eval files present (the fetch task makes them)."""
+def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None = None) -> Graph:
+    """The run's steps. Needs the raw and eval files present (the fetch task makes them).
+
+    ``content_ids`` (path -> id, from the run's resolved graph: :func:`read_resolved`) stand
+    in for hashing those files again; a path not in it is hashed.
+    """
     data = data_dir(params.get("data_dir"))
     sources = sources_of(params)
     names = [s.name for s in sources]
@@ -198,6 +245,12 @@ def build_graph(params: Mapping[str, Any]) -> Graph:
 
     raw = {name: raw_path(data, name) for name in names}
     evals = eval_set_paths(data)
+    content: dict[str, str] = {}
+
+    def cid(path: str) -> str:
+        if path not in content:
+            content[path] = (content_ids or {}).get(path) or content_id(path)
+        return content[path]
 
     def stage(
         name: str,
@@ -218,33 +271,30 @@ def build_graph(params: Mapping[str, Any]) -> Graph:
         step = Step(step_name or name, config, unversioned=how)
         return StageStep(step, name, {**options, "num_shards": shards}, output_type, inputs)
 
-    ingest = stage(
-        "ingest",
-        {"input": [raw[n] for n in names]},
-        inputs=tuple((raw[n], DATASET, None) for n in names),
-        versioned={"input_content": {n: content_id(raw[n]) for n in names}},
-    )
-    chain = [ingest]
-    for name in ("quality", "exact_dedup", "fuzzy_dedup"):
-        prev = chain[-1].step
-        chain.append(
-            stage(
-                name, {"input": [stage_output(prev)]}, inputs=((stage_output(prev), DATASET, None),)
+    # The document stages, wired as operators/pipeline.py says: each reads the output of its
+    # document-stage upstream; ingest reads the raw files, decontaminate the eval sets too.
+    documents: dict[str, StageStep] = {}
+    for task_id in [t.task_id for t in pipeline.PIPELINE if t.task_id in DOCUMENT_STAGES]:
+        source = pipeline.document_input(task_id)
+        if source is None:
+            documents[task_id] = stage(
+                task_id,
+                {"input": [raw[n] for n in names]},
+                inputs=tuple((raw[n], DATASET, None) for n in names),
+                versioned={"input_content": {n: cid(raw[n]) for n in names}},
             )
-        )
-    prev = chain[-1].step
-    decon = stage(
-        "decontaminate",
-        {"input": [stage_output(prev)], "eval_set": list(evals.values())},
-        inputs=(
-            (stage_output(prev), DATASET, None),
-            *((p, DATASET, "eval_set") for p in evals.values()),
-        ),
-        versioned={
-            "input": [stage_output(prev)],
-            "eval_content": {n: content_id(p) for n, p in evals.items()},
-        },
-    )
+            continue
+        prev = stage_output(documents[source].step)
+        if task_id == "decontaminate":
+            documents[task_id] = stage(
+                task_id,
+                {"input": [prev], "eval_set": list(evals.values())},
+                inputs=((prev, DATASET, None), *((p, DATASET, "eval_set") for p in evals.values())),
+                versioned={"input": [prev], "eval_content": {n: cid(p) for n, p in evals.items()}},
+            )
+        else:
+            documents[task_id] = stage(task_id, {"input": [prev]}, inputs=((prev, DATASET, None),))
+    decon = documents["decontaminate"]
     split = Step(
         "split",
         {
@@ -290,7 +340,7 @@ def build_graph(params: Mapping[str, Any]) -> Graph:
             output_type=TOKEN_STORE,
             inputs=((evals[e], DATASET, None), (tokenizer, TOKENIZER, "tokenizer")),
             step_name=f"tokens/eval/{e}",
-            versioned={"input_content": content_id(evals[e]), "tokenizer": tokenizer},
+            versioned={"input_content": cid(evals[e]), "tokenizer": tokenizer},
         )
         tokenize.append(s)
         eval_stores[f"{EVAL_STORE_PREFIX}{e}"] = s.step
@@ -320,11 +370,7 @@ def build_graph(params: Mapping[str, Any]) -> Graph:
     )
     return Graph(
         stages={
-            "ingest": (ingest,),
-            "quality": (chain[1],),
-            "exact_dedup": (chain[2],),
-            "fuzzy_dedup": (chain[3],),
-            "decontaminate": (decon,),
+            **{task_id: (s,) for task_id, s in documents.items()},
             "train_tokenizer": (tok,),
             "tokenize": tuple(tokenize),
         },
@@ -335,4 +381,115 @@ def build_graph(params: Mapping[str, Any]) -> Graph:
         eval_stores=eval_stores,
         raw_inputs=raw,
         eval_sets=evals,
+        content_ids=content,
     )
+
+
+# -- one stage run's command line (the Beam operator and the data-plane walker) ---------------
+
+
+def stage_options(stage_step: StageStep, spec: Any, root: str) -> dict[str, Any]:
+    """``python -m pipelines.<stage>`` options of one stage step bound to ``root`` (``spec``:
+    its :class:`~operators.steps.StepSpec`): references resolved, the output below the step's
+    output directory, the stage config exactly as the step holds it (what its version hashed)."""
+    import json
+
+    from operators.steps import OutputRef, output_path
+
+    def path(value: Any) -> str:
+        if isinstance(value, OutputRef):
+            return join(output_path(root, value.step), value.subpath)
+        return str(value)
+
+    options: dict[str, Any] = {}
+    for key, value in stage_step.options.items():
+        if isinstance(value, list | tuple):
+            options[key] = [path(v) for v in value]
+        elif isinstance(value, Mapping):
+            options[key] = json.dumps(value)
+        else:
+            options[key] = path(value)
+    options["output"] = join(spec.output_path, STAGE_OUT)
+    options["config"] = json.dumps(dict(spec.config["config"]), sort_keys=True)
+    return options
+
+
+def run_split(spec: Any) -> dict[str, Any]:
+    """Run the ``split`` step (``spec``: its StepSpec) into its output directory."""
+    from pipelines.split import split_documents
+
+    c = spec.config
+    return split_documents(
+        c["input"], spec.output_path, c["sources"], c["heldout_fraction"], c["min_heldout_chars"]
+    )
+
+
+def stage_argv(options: Mapping[str, Any]) -> list[str]:
+    """Options as a stage's ``main(argv)`` takes them: a list repeats its flag."""
+    argv: list[str] = []
+    for key, value in options.items():
+        for item in value if isinstance(value, list | tuple) else [value]:
+            argv += [f"--{key}", str(item)]
+    return argv
+
+
+# -- the graph resolved once per DAG run --------------------------------------------------------
+
+RESOLVED_GRAPH = "graph.json"  # in the run's folder (operators.settings.run_folder)
+
+
+def resolved_record(graph: Graph) -> dict[str, Any]:
+    """What the ``fetch`` task writes: the corpora's content ids and every step's key."""
+    return {
+        "content_ids": dict(sorted(graph.content_ids.items())),
+        "steps": {step.name: step.key for step in graph.all_steps()},
+    }
+
+
+def write_resolved(graph: Graph, run_id: str) -> str:
+    """Write the run's resolved graph (``{run folder}/graph.json``); returns its path."""
+    import json
+
+    import fsspec
+
+    from operators.settings import run_folder
+
+    path = join(run_folder(run_id), RESOLVED_GRAPH)
+    fs, p = fsspec.core.url_to_fs(path)
+    fs.makedirs(posixpath.dirname(p) if "://" in path else os.path.dirname(p), exist_ok=True)
+    with fs.open(p, "w") as f:
+        json.dump(resolved_record(graph), f, indent=2, sort_keys=True)
+    return path
+
+
+def read_resolved(run_id: str) -> dict[str, Any] | None:
+    """The run's resolved graph, or None when ``fetch`` has not written one (yet)."""
+    import json
+
+    import fsspec
+
+    from operators.settings import run_folder
+
+    path = join(run_folder(run_id), RESOLVED_GRAPH)
+    fs, p = fsspec.core.url_to_fs(path)
+    if not fs.exists(p):
+        return None
+    with fs.open(p) as f:
+        return json.load(f)
+
+
+def graph_for_run(params: Mapping[str, Any], run_id: str | None) -> Graph:
+    """The run's graph: built with the content ids its ``fetch`` task resolved (no corpus file
+    is hashed again), checked against the step keys it recorded. Without a resolved graph
+    (a task run on its own, ``fetch`` not run yet) the files are hashed here."""
+    resolved = read_resolved(run_id) if run_id else None
+    if resolved is None:
+        return build_graph(params)
+    graph = build_graph(params, content_ids=resolved["content_ids"])
+    now = {step.name: step.key for step in graph.all_steps()}
+    changed = sorted(n for n, k in now.items() if resolved["steps"].get(n) != k)
+    if changed:
+        # The form and the corpora are the run's; a difference means the code changed under
+        # a running DAG run (a deploy mid-run). The new code's versions are the ones to use.
+        log.warning("steps %s differ from the run's resolved graph: the code changed", changed)
+    return graph

@@ -28,6 +28,7 @@ from typing import Any
 from airflow.sdk import Param
 
 from operators import naming
+from operators.pipeline import STAGES
 from operators.settings import absolute
 from trainer.shapes import PRESETS
 
@@ -38,15 +39,6 @@ MODEL_PRESETS = tuple(PRESETS)  # trainer/shapes.py: JAX-free, cheap at parse ti
 ACCELERATORS = ("cpu", "v4", "v5e", "v5p", "v6e", "tpu7x")
 BACKENDS = ("local", "gke")
 RUNNERS = ("DirectRunner", "DataflowRunner")
-STAGES = (
-    "ingest",
-    "quality",
-    "exact_dedup",
-    "fuzzy_dedup",
-    "decontaminate",
-    "train_tokenizer",
-    "tokenize",
-)
 
 DEFAULT_MIXTURE = [
     {"name": "brown", "weight": 0.35},
@@ -321,6 +313,25 @@ def _form(platform: Mapping[str, Any]) -> dict[str, Param]:
 
 class RunConfigError(ValueError):
     """A run form whose fields are each valid but do not fit together."""
+
+
+def form_values(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """The params a trigger with ``conf`` gives a run: the form's defaults overlaid by
+    ``conf``, each value checked by its field's JSON schema as Airflow checks it, then the
+    checks across fields (:func:`check_run_config`). Errors name the field."""
+    form = pipeline_params()
+    unknown = sorted(set(conf) - set(form))
+    if unknown:
+        raise RunConfigError(f"unknown form fields: {', '.join(unknown)}")
+    params = {name: param.value for name, param in form.items()}
+    params.update(conf)
+    for name, param in form.items():
+        try:
+            params[name] = param.resolve(params[name])
+        except Exception as exc:  # Airflow's ParamValidationError; its first line says why
+            raise RunConfigError(f"{name}: {str(exc).splitlines()[0]}") from exc
+    check_run_config(params)
+    return params
 
 
 # The `gke` object's keys that say where the cluster is (operators.jobset.gke.ClusterSettings;

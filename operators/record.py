@@ -123,13 +123,11 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         return ex
 
     def summarize(self, context: Any) -> dict[str, Any]:
-        from operators.graph import build_graph
         from operators.lineage import ExecutionState
         from operators.steps import probe
         from trainer.rundir import last_checkpoint
 
         run_id = context.get("run_id")
-        params = self.run_params(context)
         root = self.steps_root()
         store = self.lineage_store()
         try:
@@ -146,7 +144,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             if self._train_still_ending(latest.get("train")):
                 latest["train"] = self._wait_for_train_ending(store, run_id, latest["train"])
             try:
-                steps = build_graph(params).all_steps()
+                steps = self.step_graph(context).all_steps()
             except Exception as exc:  # corpora missing: fetch failed
                 steps = []
                 graph_error = f"{type(exc).__name__}: {exc}"
@@ -216,11 +214,10 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
     def _write_summary(run_id: str, summary: dict[str, Any]) -> str:
         import fsspec
 
-        from operators.settings import storage_root
+        from operators.settings import run_folder
         from operators.steps import join
 
-        safe = "".join(c if c.isalnum() or c in "-_.+" else "_" for c in run_id)
-        path = join(storage_root(), "runs", safe, "summary.json")
+        path = join(run_folder(run_id), "summary.json")
         fs, p = fsspec.core.url_to_fs(path)
         fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
         with fs.open(p, "w") as f:

@@ -4,7 +4,8 @@ Resolved at task run time, never at DAG parse time (a Variable lookup at parse t
 the metadata database on every parse):
 
 * storage root: ``$SLIPWAY_HOME``, else the Airflow Variable ``slipway_home``, else ``./out``
-  (made absolute). Step outputs live under ``{root}/steps``; a ``gs://`` root works too.
+  (made absolute). Step outputs live under ``{root}/steps``, each DAG run's own files under
+  ``{root}/runs/<run_id>``; a ``gs://`` root works too.
 * lineage database: ``$SLIPWAY_LINEAGE_DB``, else ``sqlite:///<$SLIPWAY_HOME or ./out>/lineage.db``
   (:mod:`operators.lineage.url`, the one resolver: environment only, so the CLI and the
   listener, which cannot read Variables, open the database the tasks write).
@@ -50,6 +51,14 @@ def storage_root() -> str:
 def steps_root() -> str:
     root = storage_root()
     return f"{root.rstrip('/')}/steps" if "://" in root else os.path.join(root, "steps")
+
+
+def run_folder(run_id: str) -> str:
+    """One DAG run's own files (its resolved graph, its summary): ``{root}/runs/<run_id>``,
+    the run id with anything but letters, digits and ``-_.+`` replaced by ``_``."""
+    safe = "".join(c if c.isalnum() or c in "-_.+" else "_" for c in run_id)
+    root = storage_root()
+    return f"{root.rstrip('/')}/runs/{safe}" if "://" in root else os.path.join(root, "runs", safe)
 
 
 def lineage_url() -> str:

@@ -149,6 +149,19 @@ class StepLineageMixin:
         params = context.get("params") or {}
         return dict(params.items()) if hasattr(params, "items") else dict(params)
 
+    def step_graph(self, context: Mapping[str, Any]) -> Any:
+        """The run's step graph (:func:`operators.graph.graph_for_run`: from the form and the
+        content ids ``fetch`` resolved), built once per task process."""
+        from operators.graph import graph_for_run
+
+        run_id = context.get("run_id")
+        cached = getattr(self, "_step_graph", None)
+        if cached is not None and cached[0] == run_id:
+            return cached[1]
+        graph = graph_for_run(self.run_params(context), run_id)
+        self._step_graph = (run_id, graph)
+        return graph
+
     # -- running ------------------------------------------------------------------------------
 
     def run_step(
@@ -286,7 +299,7 @@ class StepLineageMixin:
         self._ol_inputs.extend(u for u in inputs if u not in self._ol_inputs)
         self._ol_outputs.extend(u for u in outputs if u not in self._ol_outputs)
 
-    def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    def planned_io(self, context: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         """Inputs and outputs before running (for the START event); operators override."""
         return [], []
 
@@ -299,7 +312,7 @@ class StepLineageMixin:
             try:
                 from airflow.sdk import get_current_context
 
-                inputs, outputs = self.planned_io(self.run_params(get_current_context()))
+                inputs, outputs = self.planned_io(get_current_context())
             except Exception:  # no context (listener thread) or corpora not there yet
                 inputs, outputs = [], []
         return OperatorLineage(

@@ -124,11 +124,9 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         # a client is not something a DAG file can serialize).
         self.tpu_client: Any = None
 
-    def planned_io(self, params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-        from operators.graph import build_graph
-
+    def planned_io(self, context: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         root = self.steps_root()
-        graph = build_graph(params)
+        graph = self.step_graph(context)
         inputs = [output_path(root, s) for s in graph.train_stores.values()]
         return inputs, [output_path(root, graph.train)]
 
@@ -142,11 +140,8 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         ]
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.graph import build_graph
-
         params = self.run_params(context)
-        graph = build_graph(params)
-        step = graph.train
+        step = self.step_graph(context).train
         if is_gke(step):
             return self._execute_gke(context, params, step)
         result = self.run_step(
@@ -388,11 +383,10 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         follow: str | None = None,
     ) -> dict[str, Any]:
         """The trigger fired: record the step's end (SUCCESS/FAILED) and its lineage."""
-        from operators.graph import build_graph
         from operators.steps import resolve
 
         params = self.run_params(context)
-        step = build_graph(params).train
+        step = self.step_graph(context).train
         if follow is not None:
             return self._complete_follow(context, params, step, event, execution_id, follow)
         spec = resolve(step, self.steps_root())
@@ -494,14 +488,12 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         return super().resume_execution(next_method, next_kwargs, context)
 
     def _abandon_deferred(self, context: Any, error: Any) -> None:
-        from operators.graph import build_graph
         from operators.hooks.jobset import JobSetHook
         from operators.jobset import JobSetHandle
         from operators.steps import resolve
         from operators.triggers.lease import DeferredLease, handle_file
 
-        params = self.run_params(context)
-        step = build_graph(params).train
+        step = self.step_graph(context).train
         spec = resolve(step, self.steps_root())
         saved = _read_json(handle_file(spec.output_path))
         try_number = getattr(context.get("ti"), "try_number", None)

@@ -1,4 +1,5 @@
-"""The whole data plane, chained: nothing lost end to end, and byte-identical on rerun."""
+"""The whole data plane walked as the pipeline table orders it (``operators.dataplane``, what
+``make demo-data`` runs): nothing lost end to end, cache hits, byte-identical on recompute."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.demo import format_summary, run_data_plane
+from operators.dataplane import StepRun, format_walk, walk
+from operators.graph import build_graph
+from operators.params import form_values
+from operators.pipeline import DOCUMENT_STAGES, PIPELINE, STAGES, Role
+from operators.steps import Outcome
 from tokenstore import TokenStore
 
 WORDS = [
@@ -62,71 +67,109 @@ def _prose(rng: random.Random, sentences: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> tuple[dict[str, str], dict[str, str]]:
+def corpus(tmp_path_factory) -> Path:
+    """A data folder as ``fetch`` lays it out: one raw source, one eval set."""
     root = tmp_path_factory.mktemp("corpus")
     rng = random.Random(7)
-    docs = [{"id": f"web/{i}", "text": _prose(rng, 12), "source": "web"} for i in range(120)]
+    docs = [{"id": f"web/{i}", "text": _prose(rng, 12), "source": "brown"} for i in range(120)]
     docs += [dict(d, id=d["id"] + "-copy") for d in docs[:10]]  # exact duplicates
-    docs.append({"id": "short", "text": "Too short.", "source": "web"})  # quality drop
+    docs.append({"id": "short", "text": "Too short.", "source": "brown"})  # quality drop
     eval_text = _prose(rng, 3)
-    docs.append({"id": "leak", "text": _prose(rng, 6) + " " + eval_text, "source": "web"})
+    docs.append({"id": "leak", "text": _prose(rng, 6) + " " + eval_text, "source": "brown"})
     lines = [json.dumps(d) for d in docs] + ['{"id": "broken"', '{"text": 3}']
-    raw = root / "web.jsonl.gz"
-    raw.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
-    evals = root / "task.jsonl"
-    evals.write_text(json.dumps({"id": "t/0", "text": eval_text, "source": "task"}) + "\n")
-    return {"web": str(raw)}, {"task": str(evals)}
+    (root / "raw").mkdir()
+    (root / "raw" / "brown.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    (root / "eval").mkdir()
+    task = json.dumps({"id": "t/0", "text": eval_text, "source": "task"}) + "\n"
+    (root / "eval" / "task.jsonl.gz").write_bytes(gzip.compress(task.encode(), mtime=0))
+    return root
 
 
-CONFIG = {"train_tokenizer": {"vocab_size": 400}}
+def _conf(data: Path) -> dict:
+    configs = {stage: {} for stage in STAGES}
+    configs["train_tokenizer"] = {"vocab_size": 400}
+    return {
+        "data_dir": str(data),
+        "sources": [{"name": "brown", "weight": 1.0}],
+        "stage_configs": configs,
+        "num_shards": 2,
+    }
 
 
-def _run(corpus, out: Path):
-    raw, evals = corpus
-    return run_data_plane(out, out, CONFIG, raw=raw, eval_sets=evals)
+def _walk(corpus: Path, root: Path) -> list[StepRun]:
+    return walk(build_graph(form_values(_conf(corpus))), str(root))
 
 
 @pytest.fixture(scope="module")
 def chain(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("chain")
-    return out, _run(corpus, out)
+    root = tmp_path_factory.mktemp("steps")
+    return root, _walk(corpus, root)
+
+
+def _by_task(runs: list[StepRun]) -> dict[str, list[StepRun]]:
+    found: dict[str, list[StepRun]] = {}
+    for r in runs:
+        found.setdefault(r.task_id, []).append(r)
+    return found
+
+
+def test_the_walk_follows_the_pipeline_table(chain):
+    _, runs = chain
+    walked = [t.task_id for t in PIPELINE if t.role in (Role.BEAM, Role.SPLIT)]
+    assert (
+        list(_by_task(runs)) == walked == [*DOCUMENT_STAGES, "split", "train_tokenizer", "tokenize"]
+    )
+    assert {r.outcome for r in runs} == {Outcome.RAN}
 
 
 def test_every_stage_and_the_chain_account_for_every_record(chain):
-    _, results = chain
-    for r in results:
-        m = r.manifest
-        assert m.records_in == m.records_out + sum(m.dropped.values()), r.name
-    doc_stages = results[:5]
+    _, runs = chain
+    for r in runs:
+        assert r.records_in == r.records_out + sum(r.dropped.values()), r.step
+    doc_stages = [_by_task(runs)[t][0] for t in DOCUMENT_STAGES]
     for before, after in itertools.pairwise(doc_stages):
-        assert after.manifest.records_in == before.manifest.records_out, after.name
-    first, last = doc_stages[0].manifest, doc_stages[-1].manifest
-    all_dropped = sum(sum(r.manifest.dropped.values()) for r in doc_stages)
+        assert after.records_in == before.records_out, after.step
+    first, last = doc_stages[0], doc_stages[-1]
+    all_dropped = sum(sum(r.dropped.values()) for r in doc_stages)
     assert first.records_in == 134
     assert first.records_in == last.records_out + all_dropped
 
 
 def test_each_kind_of_bad_record_is_dropped_where_expected(chain):
-    _, results = chain
-    dropped = {r.name: r.manifest.dropped for r in results}
+    _, runs = chain
+    dropped = {t: group[0].dropped for t, group in _by_task(runs).items()}
     assert dropped["ingest"] == {"invalid_json": 1, "non_string_text": 1}
     assert dropped["quality"].get("quality:min_words") == 1
     assert dropped["exact_dedup"] == {"exact_duplicate": 10}
     assert dropped["decontaminate"] == {"contamination": 1}
 
 
-def test_token_store_holds_every_surviving_document(chain):
-    out, results = chain
-    store = TokenStore.open(str(out / "tokens"))
-    assert store.num_docs == results[4].manifest.records_out
-    assert store.vocab_size == 400
-    assert "tokenize" in format_summary(results)
+def test_token_stores_hold_every_surviving_document(chain):
+    _, runs = chain
+    by_task = _by_task(runs)
+    clean = by_task["decontaminate"][0].records_out
+    stores = {r.step.rsplit("-", 1)[0]: r for r in by_task["tokenize"]}
+    assert set(stores) == {"tokens/train/brown", "tokens/heldout/brown"}
+    docs = 0
+    for r in stores.values():
+        store = TokenStore.open(f"{r.output}/output")
+        assert store.vocab_size == 400
+        docs += store.num_docs
+    assert docs == clean
+    assert "tokens/train/brown" in format_walk(runs)
 
 
-def test_rerun_is_byte_identical(chain, corpus, digest):
+def test_a_second_walk_is_all_cache_hits_and_a_recomputed_one_byte_identical(chain, corpus, digest):
     # Same place, same inputs: manifests name their input paths, so a rerun elsewhere would
     # differ in exactly those strings and nothing else.
-    out, _ = chain
-    before = digest(out)
-    _run(corpus, out)
-    assert digest(out) == before
+    root, _ = chain
+
+    def outputs() -> dict[str, str]:  # the step model's own files hold times and owners
+        return {k: v for k, v in digest(root).items() if "/.status" not in k and "/.lease" not in k}
+
+    before = outputs()
+    assert {r.outcome for r in _walk(corpus, root)} == {Outcome.CACHED}
+    for marker in [*root.rglob(".status.json"), *root.rglob(".lease-*")]:
+        marker.unlink()  # forget every result: every step runs again
+    assert {r.outcome for r in _walk(corpus, root)} == {Outcome.RAN}
+    assert outputs() == before

@@ -47,22 +47,20 @@ def test_dagbag_loads_the_pipeline(dag):
     assert dag.schedule == "@weekly"  # time-based: backfill needs it
 
 
-def test_dag_file_imports_fast_without_heavy_modules():
+def test_dag_file_parses_without_heavy_modules():
     # Airflow itself is imported first: the dag processor has it loaded already.
     code = f"""
-import sys, time, json, importlib.util
+import sys, json, importlib.util
 import airflow.sdk
-t = time.perf_counter()
 spec = importlib.util.spec_from_file_location("slipway_pipeline", {str(DAG_FILE)!r})
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-elapsed = time.perf_counter() - t
 heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {{"jax", "apache_beam", "tensorstore",
     "pipelines", "sentencepiece", "equinox", "optax"}})
 # Of the trainer, only its JAX-free contract: the preset table and the run directory's layout.
 light = {{"trainer.shapes", "trainer.rundir"}}
 heavy += sorted(m for m in sys.modules if m.startswith("trainer.") and m not in light)
-print(json.dumps({{"seconds": elapsed, "heavy": heavy,
+print(json.dumps({{"heavy": heavy,
     "backend": module.dag.params["backend"]}}))
 """
     env = {**os.environ, **PLATFORM}  # a platform deploy: defaults read at parse time
@@ -72,8 +70,6 @@ print(json.dumps({{"seconds": elapsed, "heavy": heavy,
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["heavy"] == []
     assert report["backend"] == "gke"
-    # ~0.2 s measured on a busy machine; generous for two shared cores.
-    assert report["seconds"] < 1.5, report
 
 
 def _validate(dag, **conf):

@@ -29,7 +29,12 @@ PACKAGES = ("dags", "operators", "pipelines", "trainer", "tokenstore", "plugins"
 STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
 
 OPERATORS_MAY_USE = {
-    "pipelines": {"pipelines.configs", "pipelines.manifest", "pipelines.corpora.fetch"},
+    "pipelines": {
+        "pipelines.configs",
+        "pipelines.manifest",
+        "pipelines.corpora.fetch",
+        "pipelines.split",
+    },
     "trainer": {"trainer.config", "trainer.shapes", "trainer.rundir"},
 }
 AIRFLOW_FREE = (

@@ -86,6 +86,41 @@ def test_stages_write_below_the_step_directory(params):
     assert STAGE_OUT
 
 
+def test_fetch_resolves_the_graph_once_and_later_tasks_read_it(home, params, monkeypatch):
+    """The ``fetch`` task hashes the corpora and writes the resolved graph to the run's folder
+    and lineage; a later task (here: a fresh operator, as in a new process) rebuilds the same
+    steps from it without hashing a corpus file, and trusts the recorded ids over the files."""
+    from operators import graph as graph_module
+    from operators.beam_stage import BeamStageOperator
+    from operators.corpora import FetchCorporaOperator
+    from operators.settings import run_folder
+
+    context = _context(params, run_id="manual__resolve")
+    result = FetchCorporaOperator().execute(context)
+    resolved = json.loads(Path(result["resolved_graph"]).read_text())
+    assert Path(result["resolved_graph"]).parent == Path(run_folder("manual__resolve"))
+    expected = graph_module.build_graph(params)
+    assert resolved["steps"] == {s.name: s.key for s in expected.all_steps()}
+    raw = expected.raw_inputs["brown"]
+    assert resolved["content_ids"][raw] == graph_module.content_id(raw)
+    with _store(home) as store:
+        (fetch,) = [
+            n for n in store.run_graph("manual__resolve").steps if n.execution.name == "fetch"
+        ]
+        roles = {link.role: link.artifact for link in fetch.outputs}
+        assert roles["resolved_graph"].properties["steps"] == resolved["steps"]
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} hashed again")
+
+    monkeypatch.setattr(graph_module, "content_id", no_hashing)
+    later = BeamStageOperator(stage_task="ingest").step_graph(context)
+    assert [s.key for s in later.all_steps()] == [s.key for s in expected.all_steps()]
+    # Without the run's resolved graph (another run id) the files would be hashed.
+    with pytest.raises(AssertionError, match="hashed again"):
+        BeamStageOperator(stage_task="ingest").step_graph(_context(params, run_id="other"))
+
+
 # -- Beam stage operator ----------------------------------------------------------------------
 
 
@@ -193,8 +228,8 @@ def test_openlineage_facets_name_inputs_and_outputs(home, params, monkeypatch):
 
 
 def test_split_is_deterministic_and_disjoint(tmp_path):
-    from operators.split import split_documents
     from pipelines.manifest import Manifest, ShardInfo
+    from pipelines.split import split_documents
 
     stage = tmp_path / "stage"
     (stage / "data").mkdir(parents=True)
