@@ -67,6 +67,10 @@ class ModelConfig:
     # copy of the layer per layer: faster steps on XLA:CPU), "auto" = unroll on the CPU backend,
     # scan on accelerators
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
+    # attention kernel (trainer/kernels.py): "auto" = the CPU-tuned blocked path on CPU,
+    # cuDNN flash attention on GPU (16-bit), XLA's fused attention on TPU; or one of
+    # "blocked", "xla", "cudnn", "splash" (Pallas, TPU)
+    attention: Literal["auto", "blocked", "xla", "cudnn", "splash"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ from trainer import checkpoint as ckpt
 from trainer import distributed as dist
 from trainer import hostmem, rundir
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
-from trainer.model import Batch, Transformer, jit_document_batch, loss_chunk, token_nll
+from trainer.kernels import loss_chunk, token_nll
+from trainer.model import Batch, Transformer, jit_document_batch
 
 ROUTER_BIAS = "router_bias"  # TrainState.router_bias's leaf in a checkpoint
 

@@ -34,8 +34,7 @@ from jax import Array
 from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist
-from trainer import hostmem, rundir
-from trainer import model as model_lib
+from trainer import hostmem, kernels, rundir
 from trainer.config import (
     ConfigError,
     ModelConfig,
@@ -81,8 +80,8 @@ def loss_and_stats(
     inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
     x, moe = params.hidden(inputs, batch.segments, batch.positions, router_bias, dtype)
     b, s = inputs.shape
-    chunk = loss_chunk or model_lib.loss_chunk(s, b, params.cfg.vocab_size)
-    objective, loss = model_lib.fused_cross_entropy(
+    chunk = loss_chunk or kernels.loss_chunk(s, b, params.cfg.vocab_size)
+    objective, loss = kernels.fused_cross_entropy(
         x, params.head(), targets, z_loss_coef=z_loss_coef, chunk=chunk
     )
     stats: dict[str, Array] = {"loss": loss}
@@ -107,7 +106,7 @@ def make_train_step(cfg: TrainConfig, mcfg: ModelConfig, tx, data_parallel: int 
     the per-device chunks of the fused loss."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
     lr_fn = schedule(cfg.optimizer, cfg.steps)
-    chunk = model_lib.loss_chunk(cfg.seq_len, cfg.batch_size // data_parallel, mcfg.vocab_size)
+    chunk = kernels.loss_chunk(cfg.seq_len, cfg.batch_size // data_parallel, mcfg.vocab_size)
 
     def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Array]]:
         def objective(p):

@@ -102,15 +102,15 @@ def test_bfloat16_compute_keeps_float32_logits():
 
 
 def test_block_causal_attention_equals_full(monkeypatch):
-    import trainer.model as model_module
+    import trainer.kernels as kernels
 
     _, model = _tiny()
     toks = jax.random.randint(jax.random.key(3), (2, 64), 0, 20)  # many EOS (id 0): documents
     seg, pos = segments_and_positions(toks, 0)
     run = lambda: jax.jit(lambda: model(toks, seg, pos)[0])()  # noqa: E731
-    monkeypatch.setattr(model_module, "ATTN_CHUNK", 16)  # 4 blocks
+    monkeypatch.setattr(kernels, "ATTN_CHUNK", 16)  # 4 blocks
     blocked = run()
-    monkeypatch.setattr(model_module, "ATTN_CHUNK", 1 << 20)  # one block: the plain path
+    monkeypatch.setattr(kernels, "ATTN_CHUNK", 1 << 20)  # one block: the plain path
     full = run()
     np.testing.assert_allclose(blocked, full, atol=1e-5)
 
@@ -169,17 +169,25 @@ def _reference_objective(model, tokens, eos_id, z_loss_coef):
 
 
 @pytest.mark.parametrize(
-    ("z_loss_coef", "kv_heads"),
+    ("z_loss_coef", "kv_heads", "attention"),
     # 4 query heads over 2 kv heads (grouped-query blocks; q, then k and v stacked), and one kv
-    # head per query head (q, k and v in one stacked projection)
-    [(0.0, 2), (1e-2, 2), (1e-2, 4)],
+    # head per query head (q, k and v in one stacked projection); every attention
+    # implementation that runs on this machine's backend (cudnn needs a GPU, splash a TPU)
+    [
+        (0.0, 2, "blocked"),
+        (1e-2, 2, "blocked"),
+        (1e-2, 4, "blocked"),
+        (0.0, 2, "xla"),
+        (1e-2, 4, "xla"),
+        (0.0, 2, "auto"),
+    ],
 )
-def test_custom_gradients_match_plain_autodiff(monkeypatch, z_loss_coef, kv_heads):
-    import trainer.model as model_module
+def test_custom_gradients_match_plain_autodiff(monkeypatch, z_loss_coef, kv_heads, attention):
+    import trainer.kernels as kernels
     from trainer.train import loss_and_stats
 
-    monkeypatch.setattr(model_module, "ATTN_CHUNK", 16)  # 4 query blocks at seq 64
-    _, model = _tiny(num_kv_heads=kv_heads)
+    monkeypatch.setattr(kernels, "ATTN_CHUNK", 16)  # 4 query blocks at seq 64
+    _, model = _tiny(num_kv_heads=kv_heads, attention=attention)
     toks = jax.random.randint(jax.random.key(5), (3, 65), 1, 20)
     toks = toks.at[:, ::9].set(0)  # packed documents
     ref_fn = jax.jit(jax.value_and_grad(lambda m: _reference_objective(m, toks, 0, z_loss_coef)))
@@ -259,7 +267,7 @@ def test_layer_loop_auto_unrolls_on_cpu_only(monkeypatch):
 
 
 def test_token_nll_equals_logits_cross_entropy():
-    from trainer.model import token_nll
+    from trainer.kernels import token_nll
 
     _, model = _tiny()
     toks = jax.random.randint(jax.random.key(6), (2, 33), 0, 20)
@@ -270,3 +278,27 @@ def test_token_nll_equals_logits_cross_entropy():
     x, _ = model.hidden(inputs, seg, pos)
     for chunk in (1, 4, 32):
         np.testing.assert_allclose(token_nll(x, model.head(), targets, chunk), ref, atol=2e-5)
+
+
+def test_attention_switch_names_and_refusals():
+    import typing
+
+    from trainer import kernels
+    from trainer.config import ConfigError, from_dict
+
+    literal = typing.get_type_hints(ModelConfig)["attention"]
+    assert typing.get_args(literal) == kernels.ATTENTION_IMPLEMENTATIONS
+    assert kernels.resolve_attention("auto", jnp.float32, "cpu") == "blocked"
+    assert kernels.resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
+    assert kernels.resolve_attention("auto", jnp.float32, "gpu") == "xla"
+    assert kernels.resolve_attention("auto", jnp.bfloat16, "tpu") == "xla"
+    assert kernels.resolve_attention("splash", jnp.bfloat16, "cpu") == "splash"
+    with pytest.raises(ValueError, match="'flash': one of"):
+        kernels.resolve_attention("flash", jnp.float32)
+    with pytest.raises(ConfigError, match="model.attention"):
+        from_dict(ModelConfig, {"attention": "flash"}, "model")
+    q = jnp.zeros((1, 8, 2, 4))
+    seg = jnp.zeros((1, 8), jnp.int32)
+    if jax.default_backend() != "tpu":
+        with pytest.raises(RuntimeError, match="runs on TPU only"):
+            kernels.attention(q, q, q, seg, "splash")
