@@ -44,8 +44,14 @@ from operators.dataflow import (
     platform_dataflow_settings,
 )
 from operators.graph import STAGE_OUT
-from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
-from operators.steps import StepResult, StepSpec, join
+from operators.lineage.describe import describe_stage_output
+from operators.step_lineage import (
+    ArtifactRef,
+    StepLineageMixin,
+    resolve_uri,
+    stage_output_artifacts,
+)
+from operators.steps import StepSpec, join
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +68,6 @@ def gcp_connection_project(gcp_conn_id: str = GCP_CONN_ID) -> str | None:
 
 
 # -- the operator ------------------------------------------------------------------------------
-
-
-def describe_stage_output(output_dir: str) -> dict[str, Any]:
-    """Counts, config, content hash and manifest extras (tokens, vocabulary) of an output."""
-    from operators.lineage.describe import describe_documents
-    from pipelines.manifest import has_manifest, read_manifest  # the data contract's owner
-
-    fields = describe_documents(output_dir)
-    if has_manifest(output_dir):
-        extra = read_manifest(output_dir).extra
-        keep = ("num_tokens", "vocab_size", "tokenizer_sha256", "num_documents", "sample")
-        fields.setdefault("counts", {}).update({k: extra[k] for k in keep if k in extra})
-    return fields
 
 
 @contextlib.contextmanager
@@ -148,7 +141,9 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
                     ArtifactRef(u, t, r, fields=graph.input_fields(u))
                     for u, t, r in stage_step.inputs
                 ],
-                outputs=lambda spec, res, s=stage_step: self._outputs(s.output_type, spec, res),
+                outputs=lambda spec, res, s=stage_step: stage_output_artifacts(
+                    s.output_type, spec, res
+                ),
                 output_subpath=STAGE_OUT,
             )
             results.append(
@@ -160,12 +155,6 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
                 }
             )
         return results
-
-    @staticmethod
-    def _outputs(output_type: str, spec: StepSpec, result: StepResult) -> list[ArtifactRef]:
-        fields = dict(result.result or {})
-        fields.pop("output", None)
-        return [ArtifactRef(join(spec.output_path, STAGE_OUT), output_type, fields=fields)]
 
     def _run_stage(
         self, context: Any, params: Mapping[str, Any], stage_step: Any, spec: StepSpec

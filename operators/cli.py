@@ -102,7 +102,7 @@ def _lineage(args: argparse.Namespace) -> int:
             if args.action == "runs":
                 print(render.render_runs(store.runs()))
             elif args.action == "show":
-                print(render.render_run(store.run_graph(args.run_id)))
+                print(render.render_run(store.run_graph(args.run_id), artifacts=True))
             else:
                 print(render.render_trace(store.trace(args.uri, args.version)))
         except NotFound as exc:

@@ -5,7 +5,9 @@ versions (:func:`operators.graph.build_graph`), the same stage command lines
 (:func:`operators.graph.stage_options`) and the same step runner (:mod:`operators.steps`) as
 the DAG's tasks, in one process on the DirectRunner: outputs land under ``{root}/steps``
 exactly where a DAG run with the same form would put them, so either one's outputs are the
-other's cache hits, and a second walk is all cache hits.
+other's cache hits, and a second walk is all cache hits. Each step is recorded in lineage as
+the DAG's tasks record it (run ``dataplane__<time>``, pipeline ``slipway_dataplane``), and the
+run is printed by the one run printer (:func:`operators.lineage.render.render_run`).
 
     python -m operators.dataplane [--conf JSON|@file] [--root DIR] [beam pipeline options]
 
@@ -23,15 +25,33 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
-from operators.graph import Graph, StageStep, build_graph, run_split, stage_argv, stage_options
+from operators.graph import (
+    DATASET,
+    STAGE_OUT,
+    Graph,
+    StageStep,
+    build_graph,
+    run_split,
+    stage_argv,
+    stage_options,
+)
+from operators.lineage.describe import describe_stage_output
 from operators.pipeline import PIPELINE, Role
+from operators.step_lineage import (
+    ArtifactRef,
+    StepLineageMixin,
+    split_output_artifacts,
+    stage_output_artifacts,
+)
 from operators.steps import Outcome, StepRunner, StepSpec
 
 log = logging.getLogger("operators.dataplane")
 
 WALKED = (Role.BEAM, Role.SPLIT)  # the roles of the data plane
+PIPELINE_NAME = "slipway_dataplane"  # the walk's runs in lineage
 
 
 @dataclass(frozen=True)
@@ -61,31 +81,75 @@ def _counts(task_id: str, output: str) -> tuple[int, int, dict[str, int], dict[s
             split = json.load(f)
         total = sum(n["train"] + n["heldout"] for n in split["sources"].values())
         return total, total, {}, {"sources": split["sources"]}
-    manifest = read_manifest(f"{output}/output")
+    manifest = read_manifest(f"{output}/{STAGE_OUT}")
     return manifest.records_in, manifest.records_out, dict(manifest.dropped), manifest.extra
 
 
+class _Task(StepLineageMixin):
+    """One task of the walk, recording its steps as the DAG's operator for it would (the same
+    :meth:`~operators.step_lineage.StepLineageMixin.run_step`), under pipeline
+    :data:`PIPELINE_NAME` in the lineage database at ``lineage_url``."""
+
+    dag_id = PIPELINE_NAME
+
+    def __init__(self, task_id: str, lineage_url: str) -> None:
+        self.task_id = task_id
+        self.log = log
+        self._lineage_url = lineage_url
+
+    def lineage_store(self) -> Any:  # type: ignore[override]
+        from operators.lineage import LineageStore
+
+        return LineageStore(self._lineage_url)
+
+
 def walk(
-    graph: Graph, root: str, beam_args: Sequence[str] = (), runner: StepRunner | None = None
+    graph: Graph,
+    root: str,
+    beam_args: Sequence[str] = (),
+    *,
+    lineage_url: str,
+    run_id: str,
+    runner: StepRunner | None = None,
 ) -> list[StepRun]:
-    """Run every data-plane step of ``graph`` under ``root``, in the pipeline's order."""
+    """Run every data-plane step of ``graph`` under ``root``, in the pipeline's order, each
+    recorded in lineage as run ``run_id``."""
     runner = runner or StepRunner(root)
     steps = graph.task_steps()
     stage_steps: dict[str, StageStep] = {
         s.step.name: s for group in graph.stages.values() for s in group
     }
+    context = {"run_id": run_id, "ti": None}
     runs = []
     for task in PIPELINE:
         if task.role not in WALKED:
             continue
+        recorder = _Task(task.task_id, lineage_url)
         for step in steps[task.task_id]:
             log.info("== %s (%s)", step.key, task.task_id)
             started = time.monotonic()
             if task.role is Role.SPLIT:
-                fn = run_split
+                result = recorder.run_step(
+                    context,
+                    step,
+                    run_split,
+                    inputs=[ArtifactRef(step.config["input"], DATASET)],
+                    outputs=split_output_artifacts,
+                    runner=runner,
+                )
             else:
-                fn = _stage_fn(stage_steps[step.name], root, beam_args)
-            result = runner.run(step, fn)
+                s = stage_steps[step.name]
+                result = recorder.run_step(
+                    context,
+                    step,
+                    _stage_fn(s, root, beam_args),
+                    inputs=[
+                        ArtifactRef(u, t, r, fields=graph.input_fields(u)) for u, t, r in s.inputs
+                    ],
+                    outputs=lambda spec, res, s=s: stage_output_artifacts(s.output_type, spec, res),
+                    runner=runner,
+                    output_subpath=STAGE_OUT,
+                )
             out = result.spec.output_path
             records_in, records_out, dropped, extra = _counts(task.task_id, out)
             runs.append(
@@ -107,36 +171,17 @@ def walk(
 def _stage_fn(
     stage_step: StageStep, root: str, beam_args: Sequence[str]
 ) -> Callable[[StepSpec], Any]:
-    def run(spec: StepSpec) -> None:
-        argv = stage_argv(stage_options(stage_step, spec, root))
-        _stage_main(stage_step.stage)([*argv, *beam_args])
+    def run(spec: StepSpec) -> dict[str, Any]:
+        options = stage_options(stage_step, spec, root)
+        _stage_main(stage_step.stage)([*stage_argv(options), *beam_args])
+        return describe_stage_output(options["output"])
 
     return run
 
 
-def format_walk(runs: Sequence[StepRun]) -> str:
-    """The walk as a table: per step, records in/out/dropped, the top drop reasons, time."""
-    lines = [
-        f"{'step':<34}{'outcome':>9}{'in':>8}{'out':>8}{'dropped':>8}{'s':>7}  drop reasons",
-        "-" * 110,
-    ]
-    for r in runs:
-        ranked = sorted(r.dropped.items(), key=lambda kv: (-kv[1], kv[0]))
-        reasons = ", ".join(f"{k}={v}" for k, v in ranked[:4])
-        if len(ranked) > 4:
-            reasons += f", +{len(ranked) - 4} more (manifest.json)"
-        lines.append(
-            f"{r.step:<34}{r.outcome!s:>9}{r.records_in:>8}{r.records_out:>8}"
-            f"{sum(r.dropped.values()):>8}{r.seconds:>7.1f}  {reasons}"
-        )
-    for r in runs:
-        for key in ("num_tokens", "vocab_size", "tokenizer_sha256"):
-            if key in r.extra:
-                lines.append(f"{r.step}: {key} = {r.extra[key]}")
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    from operators.lineage import LineageStore, lineage_url
+    from operators.lineage.render import render_run
     from operators.params import RunConfigError, form_values
     from operators.settings import steps_root
 
@@ -144,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conf", default="{}", help="run form as JSON, or @file")
     parser.add_argument("--root", default=None, help="steps root (default: $SLIPWAY_HOME/steps)")
+    parser.add_argument(
+        "--run-id", default=None, help="lineage run id (default: dataplane__<time>)"
+    )
     args, beam_args = parser.parse_known_args(argv)
     text = args.conf
     if text.startswith("@"):
@@ -156,10 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     _fetch(params)
     root = args.root or steps_root()
-    runs = walk(build_graph(params), root, beam_args)
-    print()
-    print(format_walk(runs))
-    print(f"\noutputs under {root}")
+    run_id = args.run_id or f"dataplane__{datetime.now(UTC).strftime('%Y-%m-%dT%H:%M:%S')}"
+    url = lineage_url()
+    walk(build_graph(params), root, beam_args, lineage_url=url, run_id=run_id)
+    with LineageStore(url) as store:
+        graph = store.run_graph(run_id)
+        print()
+        print(render_run(graph, lineage=store.display_url, outputs_root=root))
     return 0
 
 

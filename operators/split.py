@@ -11,8 +11,12 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
-from operators.steps import StepSpec, join
+from operators.step_lineage import (
+    ArtifactRef,
+    StepLineageMixin,
+    resolve_uri,
+    split_output_artifacts,
+)
 
 
 class HeldoutSplitOperator(StepLineageMixin, BaseOperator):
@@ -34,24 +38,11 @@ class HeldoutSplitOperator(StepLineageMixin, BaseOperator):
 
         step = self.step_graph(context).split
 
-        def outputs(spec: StepSpec, result: Any) -> list[ArtifactRef]:
-            counts = (result.result or {}).get("sources", {})
-            return [
-                ArtifactRef(
-                    join(spec.output_path, kind, f"{source}.jsonl.gz"),
-                    DATASET,
-                    role=kind,
-                    fields={"counts": {"records": n[kind]}},
-                )
-                for source, n in counts.items()
-                for kind in ("train", "heldout")
-            ]
-
         result = self.run_step(
             context,
             step,
             run_split,
             inputs=[ArtifactRef(step.config["input"], DATASET)],
-            outputs=outputs,
+            outputs=split_output_artifacts,
         )
         return {"outcome": str(result.outcome), **(result.result or {})}

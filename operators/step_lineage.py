@@ -53,6 +53,34 @@ class ArtifactRef:
     fields: Mapping[str, Any] = field(default_factory=dict)  # counts, content_hash, config
 
 
+def stage_output_artifacts(
+    output_type: str, spec: StepSpec, result: StepResult
+) -> list[ArtifactRef]:
+    """A Beam stage step's output (``<step>/output``), with the fields its run described."""
+    from operators.graph import STAGE_OUT
+
+    fields = dict(result.result or {})
+    fields.pop("output", None)
+    return [ArtifactRef(join(spec.output_path, STAGE_OUT), output_type, fields=fields)]
+
+
+def split_output_artifacts(spec: StepSpec, result: StepResult) -> list[ArtifactRef]:
+    """The ``split`` step's per-source ``train/`` and ``heldout/`` files, with their counts."""
+    from operators.graph import DATASET
+
+    counts = (result.result or {}).get("sources", {})
+    return [
+        ArtifactRef(
+            join(spec.output_path, kind, f"{source}.jsonl.gz"),
+            DATASET,
+            role=kind,
+            fields={"counts": {"records": n[kind]}},
+        )
+        for source, n in counts.items()
+        for kind in ("train", "heldout")
+    ]
+
+
 def resolve_uri(uri: Any, root: str) -> str:
     if isinstance(uri, OutputRef):
         return join(output_path(root, uri.step), uri.subpath)

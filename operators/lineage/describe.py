@@ -31,3 +31,15 @@ def describe_documents(output_dir: str) -> dict[str, Any]:
         },
         "config": dict(manifest.config),
     }
+
+
+def describe_stage_output(output_dir: str) -> dict[str, Any]:
+    """Counts, config, content hash and manifest extras (tokens, vocabulary) of an output."""
+    from pipelines.manifest import has_manifest, read_manifest  # the data contract's owner
+
+    fields = describe_documents(output_dir)
+    if has_manifest(output_dir):
+        extra = read_manifest(output_dir).extra
+        keep = ("num_tokens", "vocab_size", "tokenizer_sha256", "num_documents", "sample")
+        fields.setdefault("counts", {}).update({k: extra[k] for k in keep if k in extra})
+    return fields

@@ -1,10 +1,12 @@
-"""Plain-text views of lineage records (the ``slipway lineage`` CLI prints these)."""
+"""Plain-text views of lineage records: runs, one run (:func:`render_run`, the one run printer:
+the end-of-run summary, ``slipway lineage show`` and ``make demo-data`` print it), traces."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
+from operators.lineage.schema import ExecutionState
 from operators.lineage.store import (
     ArtifactRecord,
     ExecutionRecord,
@@ -90,11 +92,102 @@ def render_runs(runs: Sequence[RunSummary]) -> str:
     )
 
 
-def render_run(graph: RunGraph) -> str:
+def _num(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def run_failed(graph: RunGraph) -> bool:
+    """The run failed, or its latest attempt of some step did (FAILED or CANCELED)."""
+    latest = {node.execution.name: node.execution for node in graph.steps}
+    bad = (ExecutionState.FAILED, ExecutionState.CANCELED)
+    return graph.run.state is ExecutionState.FAILED or any(e.state in bad for e in latest.values())
+
+
+def render_run(
+    graph: RunGraph,
+    *,
+    artifacts: bool = False,
+    lineage: str | None = None,
+    outputs_root: str | None = None,
+) -> str:
+    """One run, the one way Slipway prints a run (the end-of-run summary, ``slipway lineage
+    show``, ``make demo-data``): per step its state, records in/out/dropped with the top drop
+    reasons; then token stores, training, evaluation, failures and where the outputs are.
+    ``artifacts`` adds the tree of every step's inputs and outputs."""
+    run_id = graph.run.run_id
+    where = f"  (lineage: {lineage})" if lineage else ""
+    total = " ".join(f"{k}={v}" for k, v in sorted(graph.run.counts.items()))
+    pipeline = graph.run.pipeline or "no pipeline"
+    lines = [f"run {run_id} ({pipeline}) {graph.run.state}  [{total}]{where}", ""]
+    header = f"{'step':<32}{'state':<10}{'in':>8}{'out':>8}{'dropped':>9}  drop reasons"
+    lines += [header, "-" * len(header)]
+    tokens, evals, train, outputs, failures = [], [], None, [], []
+    latest = {}
+    for node in graph.steps:
+        latest[node.execution.name] = node
+    for name, node in latest.items():
+        ex = node.execution
+        if ex.state in (ExecutionState.FAILED, ExecutionState.CANCELED):
+            failures.append(f"{name}: {ex.state} {ex.error}")
+        counted = False
+        for out in node.outputs:
+            a = out.artifact
+            c = dict(a.counts or {})
+            if a.type in ("dataset", "token_store", "tokenizer") and "records_in" in c:
+                counted = True
+                dropped = dict(c.get("dropped") or {})
+                ranked = sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+                reasons = ", ".join(f"{k}={v}" for k, v in ranked[:4])
+                if len(ranked) > 4:  # the manifest has them all
+                    reasons += f", +{len(ranked) - 4} more"
+                lines.append(
+                    f"{name:<32}{ex.state:<10}{c['records_in']:>8}{c['records_out']:>8}"
+                    f"{sum(dropped.values()):>9}  {reasons}"
+                )
+                outputs.append((name, a.uri))
+            if a.type == "token_store" and c.get("num_tokens") is not None:
+                vocab = c.get("vocab_size")
+                tokens.append(
+                    (name, c["num_tokens"], "" if vocab is None else f" (vocabulary {vocab})")
+                )
+            if a.type == "checkpoint":
+                train = (name, ex.state, c, a.uri)
+                outputs.append((name, a.uri))
+            if a.type == "eval_result":
+                evals.append((out.role or a.uri, c))
+        if not counted:  # a step whose outputs carry no record counts: its state alone
+            lines.append(f"{name:<32}{ex.state}")
+    if tokens:
+        lines += ["", "token stores:"]
+        lines += [f"  {n:<32} {t} tokens{v}" for n, t, v in tokens]
+    if train:
+        name, state, c, uri = train
+        lines += [
+            "",
+            f"training ({state}): {c.get('steps')} steps, {c.get('params')} parameters, "
+            f"loss {_num(c.get('loss_start'))} -> {_num(c.get('loss_end'))}",
+            f"  checkpoint {uri}",
+        ]
+    if evals:
+        lines += ["", "evaluation:"]
+        for role, c in evals:
+            bpb = c.get("bits_per_byte")
+            lines.append(
+                f"  {role:<28} loss {c.get('loss'):.4f}  perplexity {c.get('perplexity'):.2f}"
+                f"  bits/byte {bpb if bpb is None else round(bpb, 4)}  ({c.get('tokens')} tokens)"
+            )
+    if failures:
+        lines += ["", "failures:", *(f"  {f}" for f in failures)]
+    lines += ["", f"outputs{f' under {outputs_root}' if outputs_root else ''}:"]
+    lines += [f"  {n:<32} {u}" for n, u in outputs]
+    if artifacts:
+        lines += ["", _artifact_tree(graph)]
+    return "\n".join(lines)
+
+
+def _artifact_tree(graph: RunGraph) -> str:
     """The run as a tree: steps in start order, each with its inputs and outputs."""
-    run = graph.run
-    total = " ".join(f"{k}={v}" for k, v in sorted(run.counts.items()))
-    lines = [f"run {run.run_id} ({run.pipeline or 'no pipeline'}) {run.state}  [{total}]"]
+    lines = ["every step, its inputs and outputs:"]
     for i, node in enumerate(graph.steps):
         last = i == len(graph.steps) - 1
         lines.append((_LAST if last else _TEE) + _execution(node.execution))

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from operators.dataplane import StepRun, format_walk, walk
+from operators.dataplane import StepRun, walk
 from operators.graph import build_graph
+from operators.lineage import LineageStore
+from operators.lineage.render import render_run
 from operators.params import form_values
 from operators.pipeline import DOCUMENT_STAGES, PIPELINE, STAGES, Role
 from operators.steps import Outcome
@@ -96,8 +98,13 @@ def _conf(data: Path) -> dict:
     }
 
 
-def _walk(corpus: Path, root: Path) -> list[StepRun]:
-    return walk(build_graph(form_values(_conf(corpus))), str(root))
+def _lineage(root: Path) -> str:
+    return f"sqlite:///{root.parent / (root.name + '-lineage.db')}"
+
+
+def _walk(corpus: Path, root: Path, run_id: str = "walk-1") -> list[StepRun]:
+    graph = build_graph(form_values(_conf(corpus)))
+    return walk(graph, str(root), lineage_url=_lineage(root), run_id=run_id)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +163,20 @@ def test_token_stores_hold_every_surviving_document(chain):
         assert store.vocab_size == 400
         docs += store.num_docs
     assert docs == clean
-    assert "tokens/train/brown" in format_walk(runs)
+
+
+def test_the_walk_is_recorded_and_printed_as_a_dag_run_is(chain, corpus):
+    root, runs = chain
+    with LineageStore(_lineage(root)) as store:
+        graph = store.run_graph("walk-1")
+        assert graph.run.pipeline == "slipway_dataplane"
+        assert [n.execution.name for n in graph.steps] == [r.step.rsplit("-", 1)[0] for r in runs]
+        text = render_run(graph)
+        ingest_row = next(line for line in text.splitlines() if line.startswith("ingest "))
+        assert ingest_row.split()[:5] == ["ingest", "COMPLETE", "134", "132", "2"]
+        store_uri = next(r.output for r in runs if r.step.startswith("tokens/train/brown"))
+        raw = {a.uri for a in store.trace(f"{store_uri}/output").raw_inputs()}
+        assert str(corpus / "raw" / "brown.jsonl.gz") in raw
 
 
 def test_a_second_walk_is_all_cache_hits_and_a_recomputed_one_byte_identical(chain, corpus, digest):
@@ -168,8 +188,8 @@ def test_a_second_walk_is_all_cache_hits_and_a_recomputed_one_byte_identical(cha
         return {k: v for k, v in digest(root).items() if "/.status" not in k and "/.lease" not in k}
 
     before = outputs()
-    assert {r.outcome for r in _walk(corpus, root)} == {Outcome.CACHED}
+    assert {r.outcome for r in _walk(corpus, root, "walk-2")} == {Outcome.CACHED}
     for marker in [*root.rglob(".status.json"), *root.rglob(".lease-*")]:
         marker.unlink()  # forget every result: every step runs again
-    assert {r.outcome for r in _walk(corpus, root)} == {Outcome.RAN}
+    assert {r.outcome for r in _walk(corpus, root, "walk-3")} == {Outcome.RAN}
     assert outputs() == before

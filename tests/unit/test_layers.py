@@ -40,6 +40,7 @@ OPERATORS_MAY_USE = {
 AIRFLOW_FREE = (
     "operators.steps",
     "operators.graph",
+    "operators.pipeline",
     "operators.naming",
     "operators.policy",
     "operators.dataflow",

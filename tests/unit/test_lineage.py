@@ -274,7 +274,11 @@ def test_cli_runs_show_trace(url, capsys):
 
     assert cli.main(["lineage", "--db", url, "show", "manual__1"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("run manual__1 (lm) FAILED")
+    assert out.splitlines()[0].startswith("run manual__1 (lm) FAILED  [COMPLETE=2 FAILED=1]")
+    # The one run printer: the step table (counts, drop reasons), failures, then the tree.
+    ingest_row = next(line for line in out.splitlines() if line.startswith("ingest "))
+    assert ingest_row.split()[:5] == ["ingest", "COMPLETE", "510", "500", "10"]
+    assert "failures:" in out and "train: FAILED RuntimeError: NaN loss at step 120" in out
     assert "├── ingest [aaaaaaaa] COMPLETE" in out
     assert "│   ├── in  dataset gs://raw/brown" in out
     assert (

@@ -295,7 +295,7 @@ def test_attention_switch_names_and_refusals():
     assert kernels.resolve_attention("splash", jnp.bfloat16, "cpu") == "splash"
     with pytest.raises(ValueError, match="'flash': one of"):
         kernels.resolve_attention("flash", jnp.float32)
-    with pytest.raises(ConfigError, match="model.attention"):
+    with pytest.raises(ConfigError, match=r"model\.attention"):
         from_dict(ModelConfig, {"attention": "flash"}, "model")
     q = jnp.zeros((1, 8, 2, 4))
     seg = jnp.zeros((1, 8), jnp.int32)
