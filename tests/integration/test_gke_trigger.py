@@ -466,14 +466,15 @@ def test_killed_while_deferred_deletes_jobset_and_frees_the_step(fake, kubeconfi
 
 
 def test_lease_taken_over_ends_the_trigger_without_deleting(fake, kubeconfig, home, params):
-    from operators.steps import LeaseLost, StepRunner
+    from operators.steps import HeldLease, LeaseLost
 
     op = _operator()
     deferred = _defer(op, params)
     _, spec = _train_spec(params)
     name = fake.created[-1]["metadata"]["name"]
     # Another runner creates the next lease generation (as a takeover of a stale lease does).
-    StepRunner(spec.output_path)._acquire(spec.output_path, 1)
+    other = HeldLease(spec.output_path, spec.name, spec.version, "other", 1, 0.0, 60.0)
+    assert other.acquire()
     event = _run_trigger(deferred.trigger)
     assert event.payload["event"] == "lease_lost"
     with pytest.raises(LeaseLost):

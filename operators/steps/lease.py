@@ -1,0 +1,287 @@
+"""The lease protocol: status markers, lease generations, and the one lease holder.
+
+A step's output directory holds ``.status.json`` (SUCCESS, FAILED with error, RUNNING with the
+lease) and the lease files ``.lease-NNNNNN``. Exclusion rests on one primitive, *atomic
+create* of lease generation ``n`` (:meth:`~operators.steps.store.Store.create`); taking over
+generation ``n`` means creating ``n + 1``, so of several runners that see the same stale lease
+exactly one wins. :class:`HeldLease` is the only code that renews a lease and ends a step:
+the runner's heartbeat thread renews it in-process, a deferred Airflow task from its trigger.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+import traceback as tb
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from operators.steps.errors import LeaseLost
+from operators.steps.store import Store, store_for
+from operators.steps.version import Step, join, output_path
+
+log = logging.getLogger(__name__)
+
+STATUS_FILE = ".status.json"
+LEASE_PREFIX = ".lease-"
+TRACEBACK_TAIL_CHARS = 4000  # enough to see the failing frame, small enough for a marker file
+
+
+class Status(enum.StrEnum):
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+    RUNNING = "RUNNING"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Generation ``generation`` of a step's lease; the highest existing generation rules."""
+
+    generation: int
+    owner: str
+    expires_at: float  # wall clock (time.time): runners on several hosts need synced clocks
+    released: bool = False
+
+    def live(self, now: float) -> bool:
+        return not self.released and now < self.expires_at
+
+
+@dataclass(frozen=True)
+class StatusRecord:
+    """The content of ``.status.json``."""
+
+    status: Status
+    step: str
+    version: str
+    owner: str
+    generation: int
+    updated_at: float
+    started_at: float | None = None
+    lease_expires_at: float | None = None
+    error: str | None = None
+    traceback: str | None = None
+    result: Any = None
+
+    def to_bytes(self) -> bytes:
+        body = {k: v for k, v in self.__dict__.items() if v is not None}
+        body["status"] = str(self.status)
+        return (json.dumps(body, indent=2, sort_keys=True, default=str) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StatusRecord:
+        body = json.loads(data)
+        body["status"] = Status(body["status"])
+        return cls(**body)
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What is on storage for one step: its status marker and its current lease."""
+
+    path: str
+    status: StatusRecord | None
+    lease: Lease | None
+
+
+def _lease_path(out: str, generation: int) -> str:
+    return join(out, f"{LEASE_PREFIX}{generation:06d}")
+
+
+def _lease_bytes(lease: Lease) -> bytes:
+    return json.dumps(lease.__dict__, sort_keys=True).encode()
+
+
+def _read_lease(store: Store, out: str, generation: int) -> Lease | None:
+    data = store.read(_lease_path(out, generation))
+    if data is None:
+        return None
+    try:
+        return Lease(**json.loads(data))
+    except (ValueError, TypeError):
+        # A lease file being created without content (O_EXCL fallback): treat it as held.
+        return Lease(generation, owner="?", expires_at=float("inf"))
+
+
+def current_lease(store: Store, out: str) -> Lease | None:
+    """The highest existing lease generation (probed upward: takeovers are rare)."""
+    found: Lease | None = None
+    generation = 0
+    while (lease := _read_lease(store, out, generation)) is not None:
+        found, generation = lease, generation + 1
+    return found
+
+
+def read_status(store: Store, out: str) -> StatusRecord | None:
+    data = store.read(join(out, STATUS_FILE))
+    if data is None:
+        return None
+    try:
+        return StatusRecord.from_bytes(data)
+    except (ValueError, TypeError, KeyError) as exc:
+        # A corrupt marker must not be mistaken for SUCCESS: treat it as absent (rerun).
+        log.warning("%s: unreadable status marker (%s); treating the step as not run", out, exc)
+        return None
+
+
+def probe(root: str, step: Step, store: Store | None = None) -> StepState:
+    out = output_path(root, step)
+    store = store or store_for(root)
+    return StepState(out, read_status(store, out), current_lease(store, out))
+
+
+def _owns(store: Store, out: str, generation: int, owner: str) -> bool:
+    """The ownership check of every lease holder: our generation, and no next one."""
+    if _read_lease(store, out, generation + 1) is not None:
+        return False  # someone created the next generation: we were taken over
+    lease = _read_lease(store, out, generation)
+    return lease is not None and lease.owner == owner
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """Generation ``generation`` of the lease on the step whose output is ``output``, held by
+    ``owner`` without a heartbeat thread (:meth:`StepRunner.run_held`).
+
+    Plain, JSON-able data (:meth:`to_dict`), so it can travel in an Airflow trigger's kwargs
+    and be renewed and ended by another process. Its operations are the heartbeat's own
+    protocol: ownership is ``(owner, generation)`` with no next generation, and ending the
+    step writes the marker and marks the lease released (never deleted).
+    """
+
+    output: str
+    step: str
+    version: str
+    owner: str
+    generation: int
+    started_at: float
+    lease_seconds: float
+    # The runner's store (tests inject one); not part of the JSON form: elsewhere the output's.
+    store: Store | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def renew_every(self) -> float:
+        # As the heartbeat does: two renewals may fail before anyone may take over.
+        return self.lease_seconds / 3
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "store"}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HeldLease:
+        return cls(**dict(data))
+
+    def record(self, status: Status, **extra: Any) -> StatusRecord:
+        """A status marker of this lease's run (``extra``: error, result, lease expiry...)."""
+        return StatusRecord(
+            status=status,
+            step=self.step,
+            version=self.version,
+            owner=self.owner,
+            generation=self.generation,
+            started_at=self.started_at,
+            updated_at=time.time(),
+            **extra,
+        )
+
+    @property
+    def _store(self) -> Store:
+        return self.store or store_for(self.output)
+
+    def acquire(self) -> bool:
+        """Create this generation's lease file, atomically; False if another runner did."""
+        lease = Lease(self.generation, self.owner, time.time() + self.lease_seconds)
+        return self._store.create(_lease_path(self.output, self.generation), _lease_bytes(lease))
+
+    def release(self) -> None:
+        """Mark the lease released (never deleted: generations only grow, so a zombie can
+        never recreate one), if it is still ours."""
+        self._release(self._store)
+
+    def owned(self) -> bool:
+        return _owns(self._store, self.output, self.generation, self.owner)
+
+    def renew(self) -> bool:
+        """Extend the lease and the RUNNING marker; False once another runner took over."""
+        store = self._store
+        if not _owns(store, self.output, self.generation, self.owner):
+            return False
+        lease = Lease(self.generation, self.owner, time.time() + self.lease_seconds)
+        store.write(_lease_path(self.output, self.generation), _lease_bytes(lease))
+        self._write(store, self.record(Status.RUNNING, lease_expires_at=lease.expires_at))
+        return True
+
+    def succeed(self, result: Any) -> StatusRecord:
+        """SUCCESS marker (``result`` kept if JSON), lease released; :class:`LeaseLost` if
+        another runner took over meanwhile (its run wins, ours is discarded)."""
+        store = self._store
+        if not _owns(store, self.output, self.generation, self.owner):
+            raise LeaseLost(f"{self.step}: lease generation {self.generation} was taken over")
+        final = self.record(Status.SUCCESS, result=jsonable(result))
+        self._write(store, final)
+        self._release(store)
+        return final
+
+    def fail(self, error: BaseException | str) -> bool:
+        """FAILED marker (error, traceback tail), lease released; False if no longer ours."""
+        store = self._store
+        if not _owns(store, self.output, self.generation, self.owner):
+            return False
+        if isinstance(error, BaseException):
+            message = f"{type(error).__name__}: {error}"
+            trace = "".join(tb.format_exception(error))[-TRACEBACK_TAIL_CHARS:]
+        else:
+            message, trace = error, None
+        self._write(store, self.record(Status.FAILED, error=message, traceback=trace))
+        self._release(store)
+        return True
+
+    def _write(self, store: Store, record: StatusRecord) -> None:
+        store.write(join(self.output, STATUS_FILE), record.to_bytes())
+
+    def _release(self, store: Store) -> None:
+        if _owns(store, self.output, self.generation, self.owner):
+            released = Lease(
+                self.generation, self.owner, time.time() + self.lease_seconds, released=True
+            )
+            store.write(_lease_path(self.output, self.generation), _lease_bytes(released))
+
+
+class _Heartbeat:
+    """Calls ``renew`` every ``interval`` seconds until stopped or until it returns False
+    (the lease was taken over: ``lost``)."""
+
+    def __init__(self, interval: float, renew: Callable[[], bool]) -> None:
+        self.interval, self.renew = interval, renew
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="step-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                if not self.renew():
+                    self.lost = True
+                    log.error("heartbeat: lease taken over by another runner")
+                    return
+            except Exception:  # a transient storage error must not kill the heartbeat
+                log.exception("heartbeat: could not renew the lease; retrying")
+
+
+def jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        log.warning("step result %r is not JSON: not kept in the marker", type(value).__name__)
+        return None
+    return value
