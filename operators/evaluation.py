@@ -48,8 +48,8 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         return inputs, [output_path(root, step)]
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.graph import TOKEN_STORE, TOKENIZER
         from operators.lineage import ArtifactType
+        from operators.pipeline.graph import TOKEN_STORE, TOKENIZER
 
         params = self.run_params(context)
         step = self.step_graph(context).evaluate
@@ -101,7 +101,7 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
             **(gke_launch_options(spec, params) if gke else {}),
         )
         if gke:
-            from operators.params import gke_cluster
+            from operators.pipeline.form import gke_cluster
 
             # Evaluation takes minutes: it polls from the worker (no deferral), 10 s apart.
             self._jobset = JobSetRunner(self, "gke", gke_cluster(params))

@@ -121,7 +121,7 @@ def gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, A
     """Namespace, Workload-Identity service account, Kueue queue and the step labels that let
     a resubmission recognise its own JobSet (same name, same step version: adopt it)."""
     from operators.jobset.gke import STEP_LABEL, STEP_VERSION_LABEL
-    from operators.params import gke_cluster
+    from operators.pipeline.form import gke_cluster
 
     gke = dict(params.get("gke") or {})
     options: dict[str, Any] = {

@@ -2,7 +2,7 @@
 
 The split itself is :func:`pipelines.split.split_documents` (a stable hash of each document's
 id decides; see there); this operator runs it as the ``split`` step of
-:func:`operators.graph.build_graph`.
+:func:`operators.pipeline.graph.build_graph`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from operators.step_lineage import (
 
 
 class HeldoutSplitOperator(StepLineageMixin, BaseOperator):
-    """The ``split`` step of :func:`operators.graph.build_graph`."""
+    """The ``split`` step of :func:`operators.pipeline.graph.build_graph`."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("task_id", "split")
@@ -34,7 +34,7 @@ class HeldoutSplitOperator(StepLineageMixin, BaseOperator):
         return [resolve_uri(step.config["input"], root)], [output_path(root, step)]
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.graph import DATASET, run_split
+        from operators.pipeline.graph import DATASET, run_split
 
         step = self.step_graph(context).split
 

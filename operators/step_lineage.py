@@ -57,7 +57,7 @@ def stage_output_artifacts(
     output_type: str, spec: StepSpec, result: StepResult
 ) -> list[ArtifactRef]:
     """A Beam stage step's output (``<step>/output``), with the fields its run described."""
-    from operators.graph import STAGE_OUT
+    from operators.pipeline.graph import STAGE_OUT
 
     fields = dict(result.result or {})
     fields.pop("output", None)
@@ -66,7 +66,7 @@ def stage_output_artifacts(
 
 def split_output_artifacts(spec: StepSpec, result: StepResult) -> list[ArtifactRef]:
     """The ``split`` step's per-source ``train/`` and ``heldout/`` files, with their counts."""
-    from operators.graph import DATASET
+    from operators.pipeline.graph import DATASET
 
     counts = (result.result or {}).get("sources", {})
     return [
@@ -91,7 +91,7 @@ def input_fields(ref: ArtifactRef) -> dict[str, Any]:
     """``ref.fields`` plus the version of the content the step reads, when it is known.
 
     An upstream step output is versioned by that step's version (as its producer records it);
-    a raw file by its content id (``operators.graph.content_id``, the same id its consumers'
+    a raw file by its content id (``operators.pipeline.graph.content_id``, the same id its consumers'
     step versions hash and the ``fetch`` task records; memoised, so no second read of a local
     file). Anything else (a folder, a path that is not there) gets none: the store then links
     the latest version recorded for the URI.
@@ -103,7 +103,7 @@ def input_fields(ref: ArtifactRef) -> dict[str, Any]:
         fields["version"] = ref.uri.step.version
         return fields
     try:
-        from operators.graph import content_id
+        from operators.pipeline.graph import content_id
 
         fields["content_hash"] = content_id(str(ref.uri))
     except Exception as exc:  # a folder, a missing path, an unreachable store
@@ -178,9 +178,9 @@ class StepLineageMixin:
         return dict(params.items()) if hasattr(params, "items") else dict(params)
 
     def step_graph(self, context: Mapping[str, Any]) -> Any:
-        """The run's step graph (:func:`operators.graph.graph_for_run`: from the form and the
+        """The run's step graph (:func:`operators.pipeline.graph.graph_for_run`: from the form and the
         content ids ``fetch`` resolved), built once per task process."""
-        from operators.graph import graph_for_run
+        from operators.pipeline.graph import graph_for_run
 
         run_id = context.get("run_id")
         cached = getattr(self, "_step_graph", None)

@@ -71,8 +71,8 @@ def last_logged_step(out: str) -> int:
 
 
 def trainer_config(spec: StepSpec) -> dict[str, Any]:
-    """The ``train`` step's trainer config file (:func:`operators.graph.trainer_run_config`)."""
-    from operators.graph import trainer_run_config
+    """The ``train`` step's trainer config file (:func:`operators.pipeline.graph.trainer_run_config`)."""
+    from operators.pipeline.graph import trainer_run_config
 
     return trainer_run_config(spec.config, spec.output_path)
 
@@ -132,7 +132,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
 
     @staticmethod
     def _inputs(step: Step) -> list[ArtifactRef]:
-        from operators.graph import TOKEN_STORE
+        from operators.pipeline.graph import TOKEN_STORE
 
         return [
             ArtifactRef(s["path"], TOKEN_STORE, role=f"train_data:{s['name']}")
@@ -218,7 +218,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     def _trigger(
         self, handle: Mapping[str, Any], params: Mapping[str, Any], lease: Mapping[str, Any] | None
     ) -> Any:
-        from operators.params import gke_cluster
+        from operators.pipeline.form import gke_cluster
         from operators.triggers.jobset import JobSetTrigger
 
         return JobSetTrigger(
@@ -239,7 +239,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     ) -> dict[str, Any]:
         """Under the step's lease: config, manifest, create the JobSet, keep its handle."""
         from operators.hooks.jobset import JobSetHook
-        from operators.params import gke_cluster
+        from operators.pipeline.form import gke_cluster
         from operators.triggers.lease import handle_file
 
         out = spec.output_path

@@ -32,7 +32,7 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.params import check_run_config
+        from operators.pipeline.form import check_run_config
 
         params = self.run_params(context)
         store = self.lineage_store()

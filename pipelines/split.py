@@ -8,7 +8,7 @@ has a few evaluation windows), never more than half. Same documents -> same spli
 machine and in any order.
 
 Used by the ``split`` task (``operators/split.py``) and the data-plane walker
-(``operators/dataplane.py``).
+(``operators/pipeline/dataplane.py``).
 
 Output (inputs of the ``tokenize`` stage, which reads JSONL.gz files)::
 

@@ -1,4 +1,4 @@
-"""The whole data plane walked as the pipeline table orders it (``operators.dataplane``, what
+"""The whole data plane walked as the pipeline table orders it (``operators.pipeline.dataplane``, what
 ``make demo-data`` runs): nothing lost end to end, cache hits, byte-identical on recompute."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from operators.dataplane import StepRun, walk
-from operators.graph import build_graph
 from operators.lineage import LineageStore
 from operators.lineage.render import render_run
-from operators.params import form_values
 from operators.pipeline import DOCUMENT_STAGES, PIPELINE, STAGES, Role
+from operators.pipeline.dataplane import StepRun, walk
+from operators.pipeline.form import form_values
+from operators.pipeline.graph import build_graph
 from operators.steps import Outcome
 from tokenstore import TokenStore
 

@@ -60,7 +60,8 @@ def gke_platform(kubeconfig, monkeypatch):
 def params(tmp_path, kubeconfig, gke_platform):
     from airflow.sdk.definitions.param import ParamsDict
 
-    from operators.params import check_run_config, pipeline_params
+    from operators.params import pipeline_params
+    from operators.pipeline.form import check_run_config
 
     p = ParamsDict()
     p.update(pipeline_params())
@@ -314,7 +315,7 @@ def _defer(op, params, run_id="manual__gke"):
 
 
 def _train_spec(params):
-    from operators.graph import build_graph
+    from operators.pipeline.graph import build_graph
     from operators.settings import steps_root
     from operators.steps import resolve
 
@@ -549,7 +550,8 @@ def tpu_params(tmp_path, kubeconfig, monkeypatch, gke_platform):
 
     from operators.hooks import jobset as hook_module
     from operators.jobset.gke import ClusterSettings, kubeconfig_client
-    from operators.params import check_run_config, pipeline_params
+    from operators.params import pipeline_params
+    from operators.pipeline.form import check_run_config
 
     fake_cluster = ClusterSettings(namespace=NS, kubeconfig=str(kubeconfig))
     monkeypatch.setattr(hook_module, "gke_api_client", lambda _: kubeconfig_client(fake_cluster))

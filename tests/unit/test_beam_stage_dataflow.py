@@ -28,7 +28,7 @@ from operators.dataflow import (
     dataflow_labels,
     dataflow_settings,
 )
-from operators.graph import StageStep
+from operators.pipeline.graph import StageStep
 from operators.steps import Step, resolve
 
 PROJECT = "slipway-test"

@@ -88,7 +88,7 @@ def test_validate_starts_from_the_dags_defaults_each_time(dag):
 
 
 def test_default_params_are_valid(dag):
-    from operators.params import check_run_config
+    from operators.pipeline.form import check_run_config
 
     values = _validate(dag)
     assert values["model_preset"] == "nano"
@@ -149,7 +149,7 @@ def test_bad_values_are_refused_by_airflow_param_validation(dag, conf, field):
     ],
 )
 def test_cross_field_checks(dag, conf, message):
-    from operators.params import RunConfigError, check_run_config
+    from operators.pipeline.form import RunConfigError, check_run_config
 
     values = _validate(dag, **conf)
     with pytest.raises(RunConfigError, match=message):
@@ -157,7 +157,7 @@ def test_cross_field_checks(dag, conf, message):
 
 
 def test_gke_run_form_is_accepted(dag, monkeypatch):
-    from operators.params import check_run_config
+    from operators.pipeline.form import check_run_config
 
     # The platform allows this namespace and the images of this repository path.
     monkeypatch.setenv("SLIPWAY_ALLOWED_NAMESPACES", "train")
@@ -198,13 +198,13 @@ def _dataflow_run(dag, **conf):
 
 
 def test_dataflow_run_with_only_platform_settings_is_accepted(dag, dataflow_platform):
-    from operators.params import check_run_config
+    from operators.pipeline.form import check_run_config
 
     check_run_config(_dataflow_run(dag))  # the form's `dataflow` object left empty
 
 
 def test_dataflow_project_falls_back_to_the_connection(dag, dataflow_platform):
-    from operators.params import RunConfigError, check_run_config
+    from operators.pipeline.form import RunConfigError, check_run_config
 
     dataflow_platform.delenv("SLIPWAY_DATAFLOW_PROJECT_ID")
     values = _dataflow_run(dag)
@@ -220,7 +220,7 @@ def test_dataflow_project_falls_back_to_the_connection(dag, dataflow_platform):
 
 
 def test_dataflow_run_without_the_sdk_image_is_refused(dag, dataflow_platform):
-    from operators.params import RunConfigError, check_run_config
+    from operators.pipeline.form import RunConfigError, check_run_config
 
     dataflow_platform.delenv("SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE")
     dataflow_platform.setenv("SLIPWAY_ALLOWED_IMAGES", "us-docker.pkg.dev/slipway-test/slipway/")
@@ -231,7 +231,7 @@ def test_dataflow_run_without_the_sdk_image_is_refused(dag, dataflow_platform):
 
 
 def test_every_bad_dataflow_value_is_listed(dag, dataflow_platform):
-    from operators.params import RunConfigError, check_run_config
+    from operators.pipeline.form import RunConfigError, check_run_config
 
     dataflow_platform.setenv("SLIPWAY_ALLOWED_DATA_ROOTS", "/srv")
     values = _validate(
@@ -277,7 +277,8 @@ PLATFORM = {
 def test_platform_environment_prefills_the_form(monkeypatch):
     from airflow.sdk.definitions.param import ParamsDict
 
-    from operators.params import DEV_IMAGE, check_run_config, pipeline_params
+    from operators.params import pipeline_params
+    from operators.pipeline.form import DEV_IMAGE, check_run_config
 
     for name, value in PLATFORM.items():  # the ConfigMap, in every Airflow container
         monkeypatch.setenv(name, value)
@@ -305,7 +306,8 @@ def test_platform_environment_prefills_the_form(monkeypatch):
     ],
 )
 def test_bad_platform_defaults_are_refused_naming_the_variable(env, named):
-    from operators.params import PlatformDefaultsError, pipeline_params
+    from operators.params import pipeline_params
+    from operators.pipeline.form import PlatformDefaultsError
 
     with pytest.raises(PlatformDefaultsError, match=re.escape(named)):
         pipeline_params(environ=env)
@@ -313,13 +315,13 @@ def test_bad_platform_defaults_are_refused_naming_the_variable(env, named):
 
 def test_accelerators_match_the_catalogue():
     from operators.jobset import CATALOGUE
-    from operators.params import ACCELERATORS
+    from operators.pipeline.form import ACCELERATORS
 
     assert set(ACCELERATORS) == set(CATALOGUE)
 
 
 def test_sources_match_the_corpora():
-    from operators.params import SOURCES
+    from operators.pipeline.form import SOURCES
     from pipelines.corpora.fetch import raw_paths
 
     assert set(SOURCES) == set(raw_paths(check=False))

@@ -423,7 +423,8 @@ def test_cluster_settings():
 def test_form_keys_match_the_cluster_settings():
     from dataclasses import fields
 
-    from operators.params import GKE_CLUSTER_KEYS, pipeline_params
+    from operators.params import pipeline_params
+    from operators.pipeline.form import GKE_CLUSTER_KEYS
 
     assert set(GKE_CLUSTER_KEYS) == {f.name for f in fields(ClusterSettings)}
     form = set(pipeline_params()["gke"].schema["properties"])

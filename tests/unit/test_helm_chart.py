@@ -98,7 +98,7 @@ STANDARD_ENV = frozenset({"GOOGLE_CLOUD_PROJECT"})
 
 
 def form_default_env_names() -> frozenset[str]:
-    from operators.params import PLATFORM_ENV
+    from operators.pipeline.form import PLATFORM_ENV
 
     return frozenset(PLATFORM_ENV.values())
 
@@ -888,7 +888,7 @@ def test_corpora_live_in_the_bucket(rendered: tuple[str, list[dict[str, Any]]]) 
     assert data["SLIPWAY_DATA_DIR"] == values["storage"]["dataDir"]
     assert data["SLIPWAY_DATA_DIR"].startswith("gs://")
     assert not {"volumes", "volumeMounts"} & set(values["airflow"])
-    from operators.params import DATA_DIR_PATTERN
+    from operators.pipeline.form import DATA_DIR_PATTERN
 
     assert re.match(DATA_DIR_PATTERN, data["SLIPWAY_DATA_DIR"])  # the run form accepts it
 
@@ -907,7 +907,8 @@ def test_the_configmap_prefills_a_valid_run_form(
     with nothing but the platform's Dataflow settings."""
     from airflow.sdk.definitions.param import ParamsDict
 
-    from operators.params import check_run_config, pipeline_params
+    from operators.params import pipeline_params
+    from operators.pipeline.form import check_run_config
 
     which, _ = rendered
     data = config_of(render(which, kueue={"enabled": kueue}))
@@ -942,7 +943,8 @@ def test_run_policy_values_become_the_allow_lists(monkeypatch: pytest.MonkeyPatc
     them: an extra namespace listed there is accepted, one not listed is refused."""
     from airflow.sdk.definitions.param import ParamsDict
 
-    from operators.params import RunConfigError, check_run_config, pipeline_params
+    from operators.params import pipeline_params
+    from operators.pipeline.form import RunConfigError, check_run_config
 
     assert not [k for k in config_of(render()) if k.startswith("SLIPWAY_ALLOWED_")]
     data = config_of(

@@ -347,7 +347,7 @@ def test_trainer_entrypoints_exist_and_match_the_manifest():
 
 
 def test_beam_worker_has_every_stage_module():
-    from operators.params import STAGES
+    from operators.pipeline.form import STAGES
 
     for stage in STAGES:
         assert importlib.util.find_spec(f"pipelines.{stage}") is not None, stage

@@ -494,7 +494,7 @@ def test_preset_sizes_are_the_trainers_exact_counts():
 
 
 def test_run_form_mesh_override_is_checked_before_the_run():
-    from operators.params import RunConfigError, check_run_config
+    from operators.pipeline.form import RunConfigError, check_run_config
 
     check_run_config(_run_form(accelerator="cpu", topology="2", mesh={"data": 2}))
     with pytest.raises(RunConfigError, match=r"mesh: .* does not lay out on the 2 chips"):

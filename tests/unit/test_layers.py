@@ -39,7 +39,6 @@ OPERATORS_MAY_USE = {
 }
 AIRFLOW_FREE = (
     "operators.steps",
-    "operators.graph",
     "operators.pipeline",
     "operators.naming",
     "operators.policy",
@@ -120,7 +119,7 @@ def test_the_scan_sees_the_project():
     assert {"operators.params", "trainer.model", "pipelines.stage", "dags.slipway_pipeline"} <= set(
         modules()
     )
-    assert "operators.steps" in imports_of("operators.graph")
+    assert "operators.steps" in imports_of("operators.pipeline.graph")
     assert "airflow.sdk" in imports_of("operators.validate")
 
 

@@ -23,10 +23,12 @@ import pytest
 from sqlalchemy.orm import configure_mappers
 
 from operators import listener
-from operators.graph import content_id  # imported before forking, as in a task (pulls in Airflow)
 from operators.lineage import ExecutionState, LineageStore, code_version
 from operators.lineage.schema import Artifact, Context
 from operators.lineage.schema import Event as EventRow
+from operators.pipeline.graph import (
+    content_id,  # imported before forking, as in a task (pulls in Airflow)
+)
 from operators.step_lineage import ArtifactRef, StepLineageMixin
 from operators.steps import Step, StepRunner, join, resolve
 

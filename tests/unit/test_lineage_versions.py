@@ -143,8 +143,8 @@ def test_trace_of_a_run_reaches_the_fetch_that_fed_it(url, tmp_path, monkeypatch
 
     from operators.beam_stage import BeamStageOperator
     from operators.corpora import FetchCorporaOperator
-    from operators.graph import build_graph, content_id
     from operators.params import pipeline_params
+    from operators.pipeline.graph import build_graph, content_id
     from tests.support.tiny_pipeline import make_corpora, tiny_conf
 
     home = tmp_path / "home"
@@ -322,7 +322,7 @@ def test_step_outputs_and_their_consumers_meet_on_the_step_version(url, tmp_path
 def test_a_raw_file_changed_by_hand_is_not_credited_to_the_fetch(url, tmp_path, monkeypatch):
     """The consumer records the content id of the bytes it read: bytes no fetch recorded are
     a raw input of their own, not the fetch's output."""
-    from operators.graph import content_id
+    from operators.pipeline.graph import content_id
     from operators.step_lineage import ArtifactRef
     from operators.steps import Step, StepRunner
 

@@ -45,7 +45,7 @@ def _store(home: Path):
 
 
 def test_versions_are_a_function_of_what_is_computed(params):
-    from operators.graph import build_graph
+    from operators.pipeline.graph import build_graph
 
     a, b = build_graph(params), build_graph(dict(params))
     assert [s.key for s in a.all_steps()] == [s.key for s in b.all_steps()]
@@ -68,7 +68,7 @@ def test_versions_are_a_function_of_what_is_computed(params):
 
 
 def test_raw_inputs_are_versioned_by_content(params, tmp_path):
-    from operators.graph import build_graph
+    from operators.pipeline.graph import build_graph
 
     before = build_graph(params).stages["ingest"][0].step.key
     raw = Path(params["data_dir"]) / "raw" / "brown.jsonl.gz"
@@ -78,7 +78,7 @@ def test_raw_inputs_are_versioned_by_content(params, tmp_path):
 
 def test_stages_write_below_the_step_directory(params):
     # A stage clears its --output: it must never be the directory holding the step marker.
-    from operators.graph import STAGE_OUT, build_graph
+    from operators.pipeline.graph import STAGE_OUT, build_graph
 
     for group in build_graph(params).stages.values():
         for s in group:
@@ -90,7 +90,7 @@ def test_fetch_resolves_the_graph_once_and_later_tasks_read_it(home, params, mon
     """The ``fetch`` task hashes the corpora and writes the resolved graph to the run's folder
     and lineage; a later task (here: a fresh operator, as in a new process) rebuilds the same
     steps from it without hashing a corpus file, and trusts the recorded ids over the files."""
-    from operators import graph as graph_module
+    from operators.pipeline import graph as graph_module
     from operators.beam_stage import BeamStageOperator
     from operators.corpora import FetchCorporaOperator
     from operators.settings import run_folder
@@ -264,7 +264,7 @@ def test_split_is_deterministic_and_disjoint(tmp_path):
 
 
 def test_trainer_config_is_valid_for_the_trainer(params, tmp_path):
-    from operators.graph import build_graph
+    from operators.pipeline.graph import build_graph
     from operators.steps import resolve
     from operators.training import trainer_config
     from trainer.config import TrainConfig, from_dict, validate

@@ -1,4 +1,4 @@
-"""The pipeline's one table (operators/pipeline.py) against the DAG and the step graph.
+"""The pipeline's one table (operators/pipeline/definition.py) against the DAG and the step graph.
 
 Every DAG edge is an edge of the table; every table edge between tasks that hold steps is an
 upstream some step of the downstream task reads (another task's step output, or a corpus file
@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory):
-    from operators.graph import build_graph
-    from operators.params import form_values
+    from operators.pipeline.form import form_values
+    from operators.pipeline.graph import build_graph
 
     data = make_corpora(tmp_path_factory.mktemp("data"))
     return build_graph(form_values(tiny_conf(data)))
@@ -67,9 +67,9 @@ def test_the_dag_is_built_from_the_table():
 
 def test_reordering_the_table_rewires_the_document_stages(graph, monkeypatch):
     """The document stages read what the table says: swap two and the graph follows."""
-    from operators import pipeline
-    from operators.graph import build_graph
-    from operators.params import form_values
+    from operators.pipeline import definition as pipeline
+    from operators.pipeline.form import form_values
+    from operators.pipeline.graph import build_graph
 
     order = {"ingest": 0, "exact_dedup": 1, "quality": 2, "fuzzy_dedup": 3}
     rows = {
@@ -96,7 +96,7 @@ def test_reordering_the_table_rewires_the_document_stages(graph, monkeypatch):
 
 
 def test_a_table_out_of_order_is_refused(monkeypatch):
-    from operators import pipeline
+    from operators.pipeline import definition as pipeline
 
     bad = (*pipeline.PIPELINE[:2], pipeline.TaskDef("x", Role.BEAM, ("later",)))
     monkeypatch.setattr(pipeline, "PIPELINE", bad)

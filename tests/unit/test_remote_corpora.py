@@ -77,8 +77,8 @@ def test_graph_reads_remote_corpora_and_versions_them_by_content(
     from airflow.sdk.definitions.param import ParamsDict
 
     from operators.corpora import fetch_into
-    from operators.graph import build_graph, content_id
     from operators.params import pipeline_params
+    from operators.pipeline.graph import build_graph, content_id
 
     fetch_into(bucket, ["brown", "fortunes", "eval"])
     params = ParamsDict()

@@ -27,7 +27,7 @@ from operators.jobset import names as k8s
 from operators.jobset.catalogue import ShapeError, resolve
 from operators.jobset.gke import ClusterSettings
 from operators.jobset.names import ManifestError
-from operators.params import DATA_DIR_PATTERN, TOPOLOGY_PATTERN, RunConfigError
+from operators.pipeline.form import DATA_DIR_PATTERN, TOPOLOGY_PATTERN, RunConfigError
 from operators.steps import Step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def _form(dag, **conf):
 
 
 def _refused(values: dict) -> str:
-    from operators.params import check_run_config
+    from operators.pipeline.form import check_run_config
 
     with pytest.raises(RunConfigError) as err:
         check_run_config(values)
@@ -174,7 +174,7 @@ def test_data_dir_outside_the_platform_roots_is_refused(dag, roots, data_dir):
 
 
 def test_data_dir_at_or_below_a_root_is_accepted(dag, roots):
-    from operators.params import check_run_config
+    from operators.pipeline.form import check_run_config
     from operators.settings import data_dir
 
     for value in (str(roots), str(roots / "2026"), "gs://slipway-data/corpora/2026"):
@@ -224,7 +224,7 @@ def _gke(dag, image=IMAGE, **gke):
 
 
 def test_the_platforms_own_gke_settings_are_accepted(dag, gke_platform):
-    from operators.params import check_run_config
+    from operators.pipeline.form import check_run_config
 
     check_run_config(_gke(dag, service_account="slipway-trainer"))
     check_run_config(_gke(dag, gcp_conn_id="google_cloud_default"))
@@ -250,7 +250,7 @@ def test_credentials_identities_and_images_come_from_the_platform(
 
 
 def test_a_kubeconfig_must_be_one_the_platform_lists(dag, gke_platform, tmp_path):
-    from operators.params import check_run_config
+    from operators.pipeline.form import check_run_config
 
     kubeconfig = str(tmp_path / "kubeconfig")
     values = _form(

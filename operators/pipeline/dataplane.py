@@ -1,15 +1,15 @@
 """The data plane without Airflow: the pipeline's step graph walked up to the token stores.
 
 What ``make demo-data`` runs. The same table (:mod:`operators.pipeline`), the same steps and
-versions (:func:`operators.graph.build_graph`), the same stage command lines
-(:func:`operators.graph.stage_options`) and the same step runner (:mod:`operators.steps`) as
+versions (:func:`operators.pipeline.graph.build_graph`), the same stage command lines
+(:func:`operators.pipeline.graph.stage_options`) and the same step runner (:mod:`operators.steps`) as
 the DAG's tasks, in one process on the DirectRunner: outputs land under ``{root}/steps``
 exactly where a DAG run with the same form would put them, so either one's outputs are the
 other's cache hits, and a second walk is all cache hits. Each step is recorded in lineage as
 the DAG's tasks record it (run ``dataplane__<time>``, pipeline ``slipway_dataplane``), and the
 run is printed by the one run printer (:func:`operators.lineage.render.render_run`).
 
-    python -m operators.dataplane [--conf JSON|@file] [--root DIR] [beam pipeline options]
+    python -m operators.pipeline.dataplane [--conf JSON|@file] [--root DIR] [beam pipeline options]
 
 ``--conf`` is a run form, as for ``airflow dags test -c`` (defaults: the DAG's); training and
 evaluation are left to the DAG.
@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from operators.graph import (
+from operators.lineage.describe import describe_stage_output
+from operators.pipeline import PIPELINE, Role
+from operators.pipeline.graph import (
     DATASET,
     STAGE_OUT,
     Graph,
@@ -38,8 +40,6 @@ from operators.graph import (
     stage_argv,
     stage_options,
 )
-from operators.lineage.describe import describe_stage_output
-from operators.pipeline import PIPELINE, Role
 from operators.step_lineage import (
     ArtifactRef,
     StepLineageMixin,
@@ -48,7 +48,7 @@ from operators.step_lineage import (
 )
 from operators.steps import Outcome, StepRunner, StepSpec
 
-log = logging.getLogger("operators.dataplane")
+log = logging.getLogger("operators.pipeline.dataplane")
 
 WALKED = (Role.BEAM, Role.SPLIT)  # the roles of the data plane
 PIPELINE_NAME = "slipway_dataplane"  # the walk's runs in lineage
@@ -182,7 +182,7 @@ def _stage_fn(
 def main(argv: Sequence[str] | None = None) -> int:
     from operators.lineage import LineageStore, lineage_url
     from operators.lineage.render import render_run
-    from operators.params import RunConfigError, form_values
+    from operators.pipeline.form import RunConfigError, form_values
     from operators.settings import steps_root
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _fetch(params: dict[str, Any]) -> None:
     """Fetch the run's missing corpora, as the DAG's ``fetch`` task does (local folders)."""
-    from operators.graph import missing_corpora
+    from operators.pipeline.graph import missing_corpora
     from operators.settings import data_dir
     from pipelines.corpora import fetch
 

@@ -4,12 +4,12 @@ Marin's executor keeps one graph of steps and walks it; so does Slipway, in two 
 
 * this table says which tasks there are, what runs each (its :class:`Role`), and which tasks
   each one reads from. The ``slipway_pipeline`` DAG builds its tasks and edges from it, and
-  :func:`operators.graph.build_graph` wires each document stage's input from it;
-* :func:`operators.graph.build_graph` gives each task its content-addressed steps.
+  :func:`operators.pipeline.graph.build_graph` wires each document stage's input from it;
+* :func:`operators.pipeline.graph.build_graph` gives each task its content-addressed steps.
 
 ``tests/unit/test_pipeline_definition.py`` holds the two together: every edge here is an
 upstream of some step of the task (an input it reads), and every step upstream is an edge.
-``operators.dataplane`` walks the same table without Airflow (``make demo-data``).
+``operators.pipeline.dataplane`` walks the same table without Airflow (``make demo-data``).
 
 Airflow-free and cheap: the DAG file imports it at parse time.
 """

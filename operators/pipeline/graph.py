@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from operators import pipeline
-from operators.pipeline import DOCUMENT_STAGES
+from operators.pipeline import DOCUMENT_STAGES, definition
 from operators.settings import data_dir
 from operators.steps import Step, join, output_of
 
@@ -81,7 +80,7 @@ class Graph:
             "train": (self.train,),
             "evaluate": (self.evaluate,),
         }
-        return {t.task_id: by_task[t.task_id] for t in pipeline.PIPELINE if t.task_id in by_task}
+        return {t.task_id: by_task[t.task_id] for t in definition.PIPELINE if t.task_id in by_task}
 
     def all_steps(self) -> list[Step]:
         return [step for steps in self.task_steps().values() for step in steps]
@@ -271,11 +270,11 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
         step = Step(step_name or name, config, unversioned=how)
         return StageStep(step, name, {**options, "num_shards": shards}, output_type, inputs)
 
-    # The document stages, wired as operators/pipeline.py says: each reads the output of its
+    # The document stages, wired as the task table says: each reads the output of its
     # document-stage upstream; ingest reads the raw files, decontaminate the eval sets too.
     documents: dict[str, StageStep] = {}
-    for task_id in [t.task_id for t in pipeline.PIPELINE if t.task_id in DOCUMENT_STAGES]:
-        source = pipeline.document_input(task_id)
+    for task_id in [t.task_id for t in definition.PIPELINE if t.task_id in DOCUMENT_STAGES]:
+        source = definition.document_input(task_id)
         if source is None:
             documents[task_id] = stage(
                 task_id,
