@@ -8,6 +8,10 @@ and ``start_step``: the checkpoint step the run resumed from, 0 for a fresh star
 Exit codes: 0 succeeded; 1 failed; 2 invalid config (nothing computed);
 ``EXIT_RESTART`` = 42 preempted: SIGTERM was received, a checkpoint was saved, run me again
 (the JobSet failure policy restarts on it; a restarted run resumes from the checkpoint).
+
+Why just over 500 lines: the train step, the loop and the entrypoint's signal and exit-code
+handling are read together when a run misbehaves; the model, kernels, data, optimizer and
+checkpoints already live in their own modules.
 """
 
 from __future__ import annotations

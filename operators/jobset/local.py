@@ -1,5 +1,9 @@
 """Run a JobSet manifest's pods as local processes: the "one machine" training backend.
 
+Why over 500 lines: it stands in for three controllers (JobSet, Job, GKE's TPU webhook) whose
+rules interlock (a retryable pod failure restarts every pod of the JobSet, counted against
+``maxRestarts``); kept together so that one reading shows what the cluster would do.
+
 :class:`LocalBackend` plays the parts a cluster would, so that the same manifest and the same
 trainer entrypoint run on a laptop and on GKE:
 

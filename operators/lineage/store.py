@@ -4,6 +4,11 @@ SQLite by default (one file, several writer processes: WAL + busy timeout + ``BE
 IMMEDIATE``), Postgres / Cloud SQL in production through the same code. Reads return frozen
 records, never live ORM objects, so callers cannot hold sessions open by accident.
 
+Why one long module (over 500 lines): it is the only code that touches the lineage tables, and
+its writes share one transaction discipline (``_transact``'s retries, conflict-free inserts,
+row locks) that each reader and writer relies on; split across files, a new write could skip
+it. Its sections: records, writing, reading, tracing, engine and schema.
+
 Concurrent writers (tasks, the listener in the API server and the scheduler) never lose or
 duplicate a record, on either database:
 

@@ -8,6 +8,9 @@ cannot express rules across fields (a topology offered for the chosen TPU type, 
 are not all zero), so :func:`check_run_config` does those; the DAG's first task calls it and
 fails in seconds, before any data is read.
 
+Why over 500 lines: most of it is the form itself (about 180 lines of field schemas, titles and
+descriptions the UI shows); the checks across fields belong beside the fields they relate.
+
 A platform deploy pre-fills the form: the training fields' defaults come from the Helm
 chart's ConfigMap (``slipway-config``, environment variables of every Airflow container; see
 :data:`PLATFORM_ENV`), read when the DAG is parsed. Environment only: an Airflow Variable or

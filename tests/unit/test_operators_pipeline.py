@@ -90,9 +90,9 @@ def test_fetch_resolves_the_graph_once_and_later_tasks_read_it(home, params, mon
     """The ``fetch`` task hashes the corpora and writes the resolved graph to the run's folder
     and lineage; a later task (here: a fresh operator, as in a new process) rebuilds the same
     steps from it without hashing a corpus file, and trusts the recorded ids over the files."""
-    from operators.pipeline import graph as graph_module
     from operators.beam_stage import BeamStageOperator
     from operators.corpora import FetchCorporaOperator
+    from operators.pipeline import graph as graph_module
     from operators.settings import run_folder
 
     context = _context(params, run_id="manual__resolve")
