@@ -33,7 +33,7 @@ from pipelines.manifest import FORMAT as DOCUMENTS_FORMAT
 from pipelines.manifest import ShardInfo, has_manifest, read_manifest
 
 RECORDS = "records"
-DEAD = "dead_letter"
+DEAD = "dead_letter"  # the tag of every dead-letter output, in every stage
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
 HF_PREFIX = "hf:"

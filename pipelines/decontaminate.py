@@ -36,8 +36,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
-from pipelines.beam_io import DEAD as READ_DEAD
-from pipelines.beam_io import RECORDS, ReadRecords
+from pipelines.beam_io import DEAD, RECORDS, ReadRecords
 from pipelines.configs import DecontaminateConfig
 from pipelines.documents import Document, InvalidRecord, dead_letter, validate_document
 from pipelines.stage import (
@@ -49,7 +48,6 @@ from pipelines.stage import (
 from pipelines.text import ngram_hashes, token_hashes, words
 
 STAGE = "decontaminate"
-DEAD = "dead_letter"
 STATS = "stats"
 INVALID = "invalid"
 
@@ -225,7 +223,7 @@ def build(docs: beam.PCollection, config: DecontaminateConfig) -> StageOutputs:
     )
     stats = grams[STATS] | "EvalStats" >> beam.CombinePerKey(_add_pairs)
     invalid = (
-        (grams[INVALID], read[READ_DEAD] | "UnreadableEval" >> beam.Map(lambda _: 1))
+        (grams[INVALID], read[DEAD] | "UnreadableEval" >> beam.Map(lambda _: 1))
         | "AllInvalidEval" >> beam.Flatten()
         | "CountInvalidEval" >> beam.CombineGlobally(sum)
     )

@@ -31,6 +31,7 @@ import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
+from pipelines.beam_io import DEAD
 from pipelines.configs import ExactDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
 from pipelines.stage import StageOutputs, StageRun, stage_main
@@ -39,7 +40,6 @@ from pipelines.text import dedup_key_text, line_spans, paragraph_spans
 log = logging.getLogger(__name__)
 
 STAGE = "exact_dedup"
-DEAD = "dead_letter"
 CHARS = "chars"
 ERRORS = "errors"
 

@@ -43,6 +43,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
+from pipelines.beam_io import DEAD
 from pipelines.configs import FuzzyDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
 from pipelines.minhash import (
@@ -59,7 +60,6 @@ log = logging.getLogger(__name__)
 
 STAGE = "fuzzy_dedup"
 REASON = "fuzzy_duplicate"
-DEAD = "dead_letter"
 BANDS = "bands"
 NO_SHINGLES = "no_shingles"
 SIGNATURE_ERRORS = "signature_errors"

@@ -18,13 +18,13 @@ import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
+from pipelines.beam_io import DEAD
 from pipelines.configs import IngestConfig
 from pipelines.documents import Document, dead_letter, make_document
 from pipelines.stage import StageOutputs, StageRun, stage_main
 from pipelines.text import normalize_text
 
 STAGE = "ingest"
-DEAD = "dead_letter"
 
 
 def stable_id(source: str, text: str) -> str:

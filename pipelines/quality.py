@@ -29,13 +29,13 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
+from pipelines.beam_io import DEAD
 from pipelines.configs import QualityConfig, QualityThresholds
 from pipelines.documents import Document, dead_letter
 from pipelines.stage import StageOutputs, StageRun, stage_main
 from pipelines.text import line_spans, ngram_hashes, paragraph_spans, token_hashes, words
 
 STAGE = "quality"
-DEAD = "dead_letter"
 
 # Gopher's stop words: real prose uses them, boilerplate and word salad rarely do.
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
