@@ -124,6 +124,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
 
     def summarize(self, context: Any) -> dict[str, Any]:
         from operators.lineage import ExecutionState
+        from operators.settings import write_run_file
         from operators.steps import probe
         from trainer.rundir import last_checkpoint
 
@@ -201,7 +202,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
                     "training_resumes_from": resume,
                 },
             }
-            path = self._write_summary(run_id, summary)
+            path = write_run_file(run_id, "summary.json", summary)
             execution = store.start_execution("record", run_id=run_id, pipeline=self.dag_id)
             store.record_output(execution, path, "run_summary", properties=summary)
             store.finish_execution(execution, properties={"state": summary["state"]})
@@ -209,17 +210,3 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             return summary
         finally:
             store.close()
-
-    @staticmethod
-    def _write_summary(run_id: str, summary: dict[str, Any]) -> str:
-        import fsspec
-
-        from operators.settings import run_folder
-        from operators.steps import join
-
-        path = join(run_folder(run_id), "summary.json")
-        fs, p = fsspec.core.url_to_fs(path)
-        fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(p, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
-        return path

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,22 @@ def storage_root() -> str:
 def steps_root() -> str:
     root = storage_root()
     return f"{root.rstrip('/')}/steps" if "://" in root else os.path.join(root, "steps")
+
+
+def write_run_file(run_id: str, name: str, body: Any) -> str:
+    """Write ``body`` as JSON to ``{run folder}/name`` (local or object store); its path."""
+    import json
+
+    import fsspec
+
+    from operators.steps import join
+
+    path = join(run_folder(run_id), name)
+    fs, p = fsspec.core.url_to_fs(path)
+    fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(p, "w") as f:
+        json.dump(body, f, indent=2, default=str)
+    return path
 
 
 def run_folder(run_id: str) -> str:

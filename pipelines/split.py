@@ -31,10 +31,7 @@ from typing import Any
 import fsspec
 
 from pipelines.manifest import read_manifest
-
-
-def _join(root: str, *parts: str) -> str:
-    return "/".join([root.rstrip("/"), *parts])
+from pipelines.storage import join
 
 
 def _documents(stage_output: str) -> Iterator[tuple[bytes, dict[str, Any]]]:
@@ -82,7 +79,7 @@ def split_documents(
     try:
         for source in sources:
             for kind in ("train", "heldout"):
-                raw = fsspec.open(_join(out, kind, f"{source}.jsonl.gz"), "wb").open()
+                raw = fsspec.open(join(out, kind, f"{source}.jsonl.gz"), "wb").open()
                 files[source, kind] = (raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0))
         for line, doc in _documents(stage_output):
             source = doc.get("source")
@@ -96,6 +93,6 @@ def split_documents(
             gz.close()
             raw.close()
     summary = {"sources": counts, "heldout_fraction": heldout_fraction}
-    with fsspec.open(_join(out, "split.json"), "w") as f:
+    with fsspec.open(join(out, "split.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary

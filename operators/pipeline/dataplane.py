@@ -65,7 +65,7 @@ class StepRun:
     records_in: int
     records_out: int
     dropped: dict[str, int] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # tokens, vocabulary, split counts
+    extra: dict[str, Any] = field(default_factory=dict)  # tokens, vocabulary; split counts
     seconds: float = 0.0
 
 
@@ -73,16 +73,15 @@ def _stage_main(stage: str) -> Callable[[Sequence[str]], Any]:
     return importlib.import_module(f"pipelines.{stage}").main
 
 
-def _counts(task_id: str, output: str) -> tuple[int, int, dict[str, int], dict[str, Any]]:
-    from pipelines.manifest import read_manifest
-
-    if task_id == "split":
-        with open(f"{output}/split.json") as f:
-            split = json.load(f)
-        total = sum(n["train"] + n["heldout"] for n in split["sources"].values())
-        return total, total, {}, {"sources": split["sources"]}
-    manifest = read_manifest(f"{output}/{STAGE_OUT}")
-    return manifest.records_in, manifest.records_out, dict(manifest.dropped), manifest.extra
+def _counts(result: Any) -> tuple[int, int, dict[str, int], dict[str, Any]]:
+    """Records in/out/dropped of a finished step, from what it returned (kept in its SUCCESS
+    marker, so a cache hit has them too): a stage's described output, the split's counts."""
+    if "sources" in result:  # the split: every document goes to train or held-out
+        total = sum(n["train"] + n["heldout"] for n in result["sources"].values())
+        return total, total, {}, {"sources": result["sources"]}
+    counts = dict(result["counts"])
+    dropped = dict(counts.pop("dropped", {}))
+    return counts.pop("records_in"), counts.pop("records_out"), dropped, counts
 
 
 class _Task(StepLineageMixin):
@@ -151,7 +150,7 @@ def walk(
                     output_subpath=STAGE_OUT,
                 )
             out = result.spec.output_path
-            records_in, records_out, dropped, extra = _counts(task.task_id, out)
+            records_in, records_out, dropped, extra = _counts(result.result or {})
             runs.append(
                 StepRun(
                     task.task_id,

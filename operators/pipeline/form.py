@@ -120,11 +120,9 @@ def _check_platform_defaults(
     otherwise every run with the pre-filled form would be refused, far from the cause."""
     problems = []
     for name in defaults:
-        try:
-            check_value(name, fields[name], fields[name]["default"])
-        except RunConfigError as exc:
+        reason = schema_problem(fields[name], fields[name]["default"])
+        if reason is not None:
             names = sorted(n for f, n in PLATFORM_ENV.items() if f.split(".")[0] == name)
-            reason = str(exc).split(": ", 1)[1]
             problems.append(f"{', '.join(names)} (form field {name}): {reason}")
     if problems:
         raise PlatformDefaultsError(
@@ -161,15 +159,24 @@ def schema_of(spec: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if k != "default"}
 
 
-def check_value(name: str, spec: Mapping[str, Any], value: Any) -> Any:
-    """``value`` checked against field ``name``'s schema, as Airflow's ``Param.resolve`` does;
-    :class:`RunConfigError` naming the field and the first reason."""
+def schema_problem(spec: Mapping[str, Any], value: Any) -> str | None:
+    """Why ``value`` fails the field's schema (checked as Airflow's ``Param.resolve`` checks
+    it), or None."""
     import jsonschema
 
     try:
         jsonschema.validate(value, schema_of(spec), format_checker=jsonschema.FormatChecker())
     except jsonschema.ValidationError as exc:
-        raise RunConfigError(f"{name}: {exc.message}") from exc
+        return exc.message
+    return None
+
+
+def check_value(name: str, spec: Mapping[str, Any], value: Any) -> Any:
+    """``value`` if it passes field ``name``'s schema, else :class:`RunConfigError` naming the
+    field and the reason."""
+    problem = schema_problem(spec, value)
+    if problem is not None:
+        raise RunConfigError(f"{name}: {problem}")
     return value
 
 

@@ -447,34 +447,17 @@ def resolved_record(graph: Graph) -> dict[str, Any]:
 
 def write_resolved(graph: Graph, run_id: str) -> str:
     """Write the run's resolved graph (``{run folder}/graph.json``); returns its path."""
-    import json
+    from operators.settings import write_run_file
 
-    import fsspec
-
-    from operators.settings import run_folder
-
-    path = join(run_folder(run_id), RESOLVED_GRAPH)
-    fs, p = fsspec.core.url_to_fs(path)
-    fs.makedirs(posixpath.dirname(p) if "://" in path else os.path.dirname(p), exist_ok=True)
-    with fs.open(p, "w") as f:
-        json.dump(resolved_record(graph), f, indent=2, sort_keys=True)
-    return path
+    return write_run_file(run_id, RESOLVED_GRAPH, resolved_record(graph))
 
 
 def read_resolved(run_id: str) -> dict[str, Any] | None:
     """The run's resolved graph, or None when ``fetch`` has not written one (yet)."""
-    import json
-
-    import fsspec
-
     from operators.settings import run_folder
+    from trainer.rundir import read_json  # the one "JSON file, or None while missing" reader
 
-    path = join(run_folder(run_id), RESOLVED_GRAPH)
-    fs, p = fsspec.core.url_to_fs(path)
-    if not fs.exists(p):
-        return None
-    with fs.open(p) as f:
-        return json.load(f)
+    return read_json(join(run_folder(run_id), RESOLVED_GRAPH))
 
 
 def graph_for_run(params: Mapping[str, Any], run_id: str | None) -> Graph:
