@@ -252,7 +252,7 @@ def dataflow_labels(identity: RunIdentity, step_name: str, version: str) -> dict
 
 
 def dataflow_worker_options(settings: DataflowSettings) -> dict[str, Any]:
-    """Pipeline options for the workers (the rest go through ``DataflowConfiguration``)."""
+    """Pipeline options for the workers (the job's own are the hook's: name, project, region)."""
     options: dict[str, Any] = {
         "temp_location": settings.temp_location,
         "staging_location": settings.staging_location,
@@ -283,18 +283,31 @@ def check_remote_paths(options: Mapping[str, Any]) -> None:
         )
 
 
-def dataflow_configuration_kwargs(
+@dataclass(frozen=True)
+class DataflowJob:
+    """Where and as whom one stage's Dataflow job runs: what the Beam stage hook launches.
+
+    ``job_name`` is the base name (<= 54 characters); the hook appends the provider's fresh
+    8-hex suffix per launch, so retries and reruns never collide.
+    """
+
+    job_name: str
+    project_id: str
+    location: str
+    gcp_conn_id: str
+    service_account: str | None = None
+    labels: Mapping[str, str] | None = None
+
+
+def dataflow_job(
     settings: DataflowSettings, identity: RunIdentity, spec: StepSpec, gcp_conn_id: str
-) -> dict[str, Any]:
-    """Keyword arguments of the provider's ``DataflowConfiguration`` for one step's job."""
-    return {
-        "job_name": dataflow_job_name(identity, spec.name, spec.version),
-        "append_job_name": True,  # the provider's fresh suffix: unique per launch
-        "project_id": settings.project_id,
-        "location": settings.location,
-        "gcp_conn_id": gcp_conn_id,
-        "service_account": settings.service_account,
-        "wait_until_finished": True,
-        # Batch jobs: cancel (not drain) on kill, and wait for the cancel to be accepted.
-        "drain_pipeline": False,
-    }
+) -> DataflowJob:
+    """The Dataflow job of one step's stage run, from validated settings."""
+    return DataflowJob(
+        job_name=dataflow_job_name(identity, spec.name, spec.version),
+        project_id=settings.project_id,
+        location=settings.location,
+        gcp_conn_id=gcp_conn_id,
+        service_account=settings.service_account,
+        labels=dataflow_labels(identity, spec.name, spec.version),
+    )

@@ -45,9 +45,7 @@ class JobSetRunner:
         from operators.hooks.jobset import JobSetHook
 
         self.operator = operator
-        self.backend = JobSetHook(
-            backend, cluster=cluster, log_sink=operator.log.info
-        ).get_backend()
+        self.hook = JobSetHook(backend, cluster=cluster, log_sink=operator.log.info)
         self.handle: Any = None
 
     def run(
@@ -57,19 +55,19 @@ class JobSetRunner:
         progress: Any = None,
         poll_seconds: float = POLL_SECONDS,
     ) -> Any:
-        self.handle = self.backend.submit(manifest)
+        self.handle = self.hook.submit(manifest)
         self.operator.log.info("JobSet %s submitted (%s)", self.handle.name, self.handle.uid)
         last_progress = time.monotonic()
         try:
             while True:
-                status = self.backend.poll(self.handle)
+                status = self.hook.poll(self.handle)
                 if status.done:
                     if progress is not None:
                         progress()
                     return status
                 if watch is not None and (reason := watch()):
                     self.operator.log.warning("%s: cancelling the JobSet", reason)
-                    self.backend.cancel(self.handle)
+                    self.hook.cancel(self.handle)
                     raise FaultInjected(reason)
                 if progress is not None and time.monotonic() - last_progress >= PROGRESS_SECONDS:
                     progress()
@@ -81,7 +79,7 @@ class JobSetRunner:
 
     def cancel(self) -> None:
         if self.handle is not None:
-            status = self.backend.cancel(self.handle)
+            status = self.hook.cancel(self.handle)
             self.operator.log.info("JobSet %s cancelled: %s", self.handle.name, status.reason)
 
 

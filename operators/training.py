@@ -118,7 +118,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         self.gke_poll_seconds = gke_poll_seconds
         self.gke_log_seconds = gke_log_seconds
         self._jobset: JobSetRunner | None = None
-        self._gke: Any = None  # (backend, handle) while a gke submission is in this process
+        self._gke: Any = None  # (hook, handle) while a gke submission is in this process
         # The TPU preflight's client: None is google-cloud-tpu's TpuClient with the GCP
         # connection's credentials (tests put a fake here; not a constructor argument, since
         # a client is not something a DAG file can serialize).
@@ -268,9 +268,9 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         start = last_checkpoint(out)
         if start:
             self.log.info("resuming from checkpoint %s", start[1])
-        backend = JobSetHook("gke", cluster=cluster, log_sink=self.log.info).get_backend()
-        handle = backend.submit(manifest)
-        self._gke = (backend, handle)
+        hook = JobSetHook("gke", cluster=cluster, log_sink=self.log.info)
+        handle = hook.submit(manifest)
+        self._gke = (hook, handle)
         try:
             # Read back after a trigger timeout (__fail__ carries no kwargs) and by followers.
             write_json(
@@ -285,7 +285,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
                 },
             )
         except BaseException:
-            backend.cancel(handle)  # nobody could find it again: no orphan
+            hook.cancel(handle)  # nobody could find it again: no orphan
             raise
         return {"handle": handle.to_dict(), "resumed_from": start[0] if start else None}
 
@@ -507,8 +507,8 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             return
         reason = f"deferral ended: {getattr(error, 'value', error)}; JobSet deleted"
         handle = JobSetHandle.from_dict(saved["handle"])
-        backend = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
-        status = backend.get_backend().cancel(handle)
+        hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
+        status = hook.cancel(handle)
         self.log.warning("JobSet %s: %s (%s)", handle.name, reason, status.message)
         lease = DeferredLease.from_dict(saved["lease"])
         lease.fail(reason)
@@ -526,8 +526,8 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
 
         saved = _read_json(handle_file(lease.output)) or {}
         try:
-            backend = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
-            backend.get_backend().cancel(JobSetHandle.from_dict(handle))
+            hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
+            hook.cancel(JobSetHandle.from_dict(handle))
         except Exception:
             self.log.exception("could not delete JobSet %s", handle.get("name"))
 
@@ -658,5 +658,5 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         if self._jobset is not None:
             self._jobset.cancel()
         if self._gke is not None:
-            backend, handle = self._gke
-            backend.cancel(handle)
+            hook, handle = self._gke
+            hook.cancel(handle)

@@ -14,8 +14,8 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators.beam_stage import gcp_connection_project
 from operators.dataflow import GCP_CONN_ID
+from operators.hooks.beam import gcp_connection_project
 from operators.step_lineage import StepLineageMixin
 
 

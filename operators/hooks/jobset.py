@@ -1,4 +1,11 @@
-"""JobSetHook: where a rendered JobSet manifest runs.
+"""JobSetHook and JobSetAsyncHook: where a rendered JobSet manifest runs, and the calls on it.
+
+The hook owns the connection: it builds the backend (the Kubernetes client for ``gke``) once,
+from its source below, and every call the operators make goes through it (``submit``,
+``poll``, ``wait``, ``cancel``); ``close`` releases it. :class:`JobSetAsyncHook` gives the
+trigger the same connection as coroutines (``observe``, ``wait_for_change``,
+``leader_log_tail``, ``with_exits``, ``cancel``): the Kubernetes client blocks, so each call
+runs in a worker thread and the triggerer's event loop never waits on the API server.
 
 ``local`` runs the manifest's pods as processes on this machine
 (:class:`~operators.jobset.LocalBackend`): what ``airflow dags test`` and ``airflow
@@ -28,11 +35,14 @@ expire during a weeks-long run are renewed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from airflow.sdk import BaseHook
+
+from operators.jobset.backend import Backend, JobSetHandle, JobSetObservation, JobSetStatus
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +54,7 @@ class BackendUnavailable(RuntimeError):
 
 
 class JobSetHook(BaseHook):
-    """Builds the :class:`~operators.jobset.Backend` named by ``backend``."""
+    """The connection to the :class:`~operators.jobset.Backend` named by ``backend``."""
 
     conn_name_attr = "kubernetes_conn_id"
     default_conn_name = "kubernetes_default"
@@ -69,11 +79,36 @@ class JobSetHook(BaseHook):
         self.extra_env = dict(extra_env or {})
         self.grace_period = grace_period
         self.backend_options = dict(backend_options or {})  # GkeBackend knobs (retries...)
+        self._conn: Backend | None = None
 
-    def get_conn(self) -> Any:
-        return self.get_backend()
+    def get_conn(self) -> Backend:
+        """The backend, built on first use and kept (its client too) until :meth:`close`."""
+        if self._conn is None:
+            self._conn = self._build()
+        return self._conn
 
-    def get_backend(self) -> Any:
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    # -- what the operators call ------------------------------------------------------------
+
+    def submit(self, manifest: Mapping[str, Any]) -> JobSetHandle:
+        return self.get_conn().submit(manifest)
+
+    def poll(self, handle: JobSetHandle) -> JobSetStatus:
+        return self.get_conn().poll(handle)
+
+    def wait(self, handle: JobSetHandle, timeout: float | None = None) -> JobSetStatus:
+        return self.get_conn().wait(handle, timeout)
+
+    def cancel(self, handle: JobSetHandle) -> JobSetStatus:
+        return self.get_conn().cancel(handle)
+
+    # -- building the backend ---------------------------------------------------------------
+
+    def _build(self) -> Backend:
         if self.backend == "local":
             from operators.jobset import LocalBackend
 
@@ -134,6 +169,49 @@ class JobSetHook(BaseHook):
         if settings.source != "gke":
             return None
         return lambda: gke_api_client(settings)
+
+
+class JobSetAsyncHook(BaseHook):
+    """The trigger's side of :class:`JobSetHook`: the same connection, awaited.
+
+    Takes :class:`JobSetHook`'s arguments. Each call runs the blocking client in a thread;
+    errors are the backend's (:class:`~operators.jobset.JobSetNotFound`,
+    :class:`~operators.jobset.JobSetApiError` with ``transient``, ...).
+    """
+
+    hook_name = "Slipway JobSet (async)"
+
+    def __init__(self, backend: str = "gke", **kwargs: Any) -> None:
+        super().__init__()
+        self.sync_hook = JobSetHook(backend, **kwargs)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        def call() -> Any:
+            return getattr(self.sync_hook.get_conn(), method)(*args)
+
+        return await asyncio.to_thread(call)
+
+    async def observe(self, handle: JobSetHandle) -> JobSetObservation:
+        return await self._call("observe", handle)
+
+    async def wait_for_change(
+        self, handle: JobSetHandle, version: str | None, timeout: float
+    ) -> None:
+        await self._call("wait_for_change", handle, version, timeout)
+
+    async def leader_log_tail(
+        self, handle: JobSetHandle, lines: int
+    ) -> tuple[str | None, list[str]]:
+        return await self._call("leader_log_tail", handle, lines)
+
+    async def with_exits(self, status: JobSetStatus) -> JobSetStatus:
+        return await self._call("with_exits", status)
+
+    async def cancel(self, handle: JobSetHandle) -> JobSetStatus:
+        return await self._call("cancel", handle)
+
+    def close(self) -> None:
+        self.sync_hook.close()
 
 
 def gke_api_client(settings: Any) -> Any:

@@ -17,11 +17,19 @@ from typing import Any, Literal, Protocol, runtime_checkable
 __all__ = [
     "COMPLETED",
     "FAILED",
+    "RETRYABLE",
     "Backend",
+    "JobSetApiError",
+    "JobSetError",
     "JobSetHandle",
+    "JobSetNotFound",
+    "JobSetObservation",
     "JobSetStatus",
     "PodExit",
 ]
+
+# HTTP statuses worth retrying: rate limits and an API server that is (re)starting.
+RETRYABLE = frozenset({429, 500, 502, 503, 504})
 
 COMPLETED: Literal["Completed"] = "Completed"
 FAILED: Literal["Failed"] = "Failed"
@@ -94,9 +102,48 @@ class JobSetStatus:
         }
 
 
+class JobSetError(RuntimeError):
+    """A backend call failed in a way the caller must see."""
+
+    status: int | None = None
+
+
+class JobSetNotFound(JobSetError):
+    """The JobSet (or pod) is not there: deleted, expired (ttl), or never created."""
+
+
+class JobSetApiError(JobSetError):
+    """Any other failure of the backend's API, after the retries for transient ones."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.status is None or self.status in RETRYABLE
+
+
+@dataclass(frozen=True)
+class JobSetObservation:
+    """One look at a JobSet: what a follower reports and where its next wait starts."""
+
+    status: JobSetStatus  # without pod exits (``with_exits`` adds them once it is done)
+    version: str | None = None  # the object's resourceVersion: a watch resumes after it
+    conditions: Mapping[str, str] = field(default_factory=dict)  # True ones: kind -> text
+    max_restarts: int = 0  # the failure policy's bound on counted restarts
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """Where JobSets run. ``submit`` returns at once; ``poll`` never blocks."""
+    """Where JobSets run. ``submit`` returns at once; ``poll`` and ``observe`` never block.
+
+    The first four are what a task that waits on its JobSet uses; ``observe``,
+    ``wait_for_change``, ``leader_log_tail``, ``with_exits`` and ``close`` are what a follower
+    that does not hold the task (the GKE trigger) uses. Errors are :class:`JobSetError`s:
+    :class:`JobSetNotFound` once the JobSet is gone, :class:`JobSetApiError` (``transient``
+    or not) for the rest.
+    """
 
     name: str
 
@@ -110,4 +157,25 @@ class Backend(Protocol):
 
     def cancel(self, handle: JobSetHandle) -> JobSetStatus:
         """Stop every pod (SIGTERM, then SIGKILL after the grace period); idempotent."""
+        ...
+
+    def observe(self, handle: JobSetHandle) -> JobSetObservation: ...
+
+    def wait_for_change(self, handle: JobSetHandle, version: str | None, timeout: float) -> Any:
+        """Return once the JobSet changed after ``version``, or after ``timeout`` seconds."""
+        ...
+
+    def leader_log_tail(
+        self, handle: JobSetHandle, lines: int = 50
+    ) -> tuple[str | None, list[str]]:
+        """(the leader pod -- slice 0, worker 0 --, its last ``lines`` lines); (None, [])
+        before it exists."""
+        ...
+
+    def with_exits(self, status: JobSetStatus) -> JobSetStatus:
+        """``status`` with every pod's exit code (best effort)."""
+        ...
+
+    def close(self) -> None:
+        """Release the client (never the JobSet)."""
         ...

@@ -40,7 +40,18 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
 from operators import naming
-from operators.jobset.backend import COMPLETED, FAILED, JobSetHandle, JobSetStatus, PodExit
+from operators.jobset.backend import (
+    COMPLETED,
+    FAILED,
+    RETRYABLE,
+    JobSetApiError,
+    JobSetError,
+    JobSetHandle,
+    JobSetNotFound,
+    JobSetObservation,
+    JobSetStatus,
+    PodExit,
+)
 from operators.jobset.manifest import (
     API_VERSION,
     COMPLETION_INDEX_KEY,
@@ -58,10 +69,10 @@ __all__ = [
     "ClusterSettings",
     "CredentialsUnavailable",
     "GkeBackend",
-    "GkeBackendError",
     "JobSetApiError",
     "JobSetAuthError",
     "JobSetConflict",
+    "JobSetError",
     "JobSetNotFound",
     "bearer_client",
     "status_from_dict",
@@ -77,7 +88,6 @@ MANAGED_BY_KEY = "app.kubernetes.io/managed-by"
 # most 63 characters, so the 64-hex-digit version is cut to 63: still collision-free in practice.
 STEP_LABEL = "slipway/step"
 STEP_VERSION_LABEL = "slipway/step-version"
-RETRYABLE = frozenset({429, 500, 502, 503, 504})
 
 T = TypeVar("T")
 LogSink = Callable[[str], None]
@@ -88,34 +98,12 @@ ClientFactory = Callable[[], Any]  # () -> kubernetes.client.ApiClient
 # errors
 
 
-class GkeBackendError(RuntimeError):
-    """A Kubernetes API call failed in a way the caller must see."""
-
-    status: int | None = None
-
-
-class JobSetAuthError(GkeBackendError):
+class JobSetAuthError(JobSetError):
     """401 after a credentials refresh, or 403: names the credentials source."""
 
 
-class JobSetNotFound(GkeBackendError):
-    """The JobSet (or pod) is not there: deleted, expired (ttl), or never created."""
-
-
-class JobSetConflict(GkeBackendError):
+class JobSetConflict(JobSetError):
     """A JobSet with this name exists and is not this step's."""
-
-
-class JobSetApiError(GkeBackendError):
-    """Any other API failure, after the retries for transient ones."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-    @property
-    def transient(self) -> bool:
-        return self.status is None or self.status in RETRYABLE
 
 
 class CredentialsUnavailable(JobSetApiError):
@@ -242,7 +230,7 @@ def in_cluster_client() -> Any:
 def default_client_factory(settings: ClusterSettings) -> ClientFactory:
     """Factories this module can build alone (GKE's needs the Airflow hook)."""
     if settings.source == "gke":
-        raise GkeBackendError(
+        raise JobSetError(
             "GKE credentials need the google provider: build the backend through "
             "operators.hooks.jobset.JobSetHook('gke', cluster=...)"
         )
@@ -496,7 +484,7 @@ class GkeBackend:
         self._log(f"[gke] {action}: {why}; retry {attempt}/{self.retries} in {delay:.1f}s")
         self._sleep(delay)
 
-    def _error(self, action: str, exc: Any) -> GkeBackendError:
+    def _error(self, action: str, exc: Any) -> JobSetError:
         message = _status_message(exc)
         where = self.settings.describe()
         if exc.status == 401:
@@ -601,6 +589,16 @@ class GkeBackend:
     def poll(self, handle: JobSetHandle) -> JobSetStatus:
         status = status_from_object(handle, self.get(handle))
         return self.with_exits(status) if status.done else status
+
+    def observe(self, handle: JobSetHandle) -> JobSetObservation:
+        obj = self.get(handle)
+        policy = (obj.get("spec") or {}).get("failurePolicy") or {}
+        return JobSetObservation(
+            status=status_from_object(handle, obj),
+            version=(obj.get("metadata") or {}).get("resourceVersion"),
+            conditions=active_conditions(obj),
+            max_restarts=int(policy.get("maxRestarts") or 0),
+        )
 
     def with_exits(self, status: JobSetStatus) -> JobSetStatus:
         """Add the pods' exit codes (best effort: a failure here must not hide the status)."""

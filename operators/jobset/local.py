@@ -31,6 +31,7 @@ the step's output (the trainer checkpoints on SIGTERM, so the retry resumes from
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import hashlib
 import logging
@@ -48,7 +49,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from operators.jobset.backend import COMPLETED, FAILED, JobSetHandle, JobSetStatus, PodExit
+from operators.jobset.backend import (
+    COMPLETED,
+    FAILED,
+    JobSetHandle,
+    JobSetNotFound,
+    JobSetObservation,
+    JobSetStatus,
+    PodExit,
+)
 from operators.jobset.manifest import (
     API_VERSION,
     COMPLETION_INDEX_KEY,
@@ -70,6 +79,7 @@ log = logging.getLogger(__name__)
 LogSink = Callable[[str], None]
 DEFAULT_GRACE = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 LOCALHOST = "127.0.0.1"
+LEADER_TAIL_LINES = 1000  # what leader_log_tail can show of a local run
 # Identity a parent process may carry (e.g. a pod running Airflow): never inherited, since a
 # stale TPU_WORKER_ID or MEGASCALE_SLICE_ID would silently give a local pod the wrong identity.
 _IDENTITY_PREFIXES = ("TPU_", "MEGASCALE_", "JOB_COMPLETION_INDEX", "JOBSET_", "REPLICATED_JOB_")
@@ -326,6 +336,11 @@ class LocalRun:
         self._status = JobSetStatus(handle)
         self._procs: list[_Proc] = []
         self._thread = threading.Thread(target=self._main, name=f"jobset-{plan.name}", daemon=True)
+        # Slice 0, worker 0 (the JAX coordinator): its recent lines, for a follower's tail.
+        self.leader = next(
+            (p.label for p in plan.pods if p.job_global_index == 0 and p.index == 0), None
+        )
+        self._leader_tail: collections.deque[str] = collections.deque(maxlen=LEADER_TAIL_LINES)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -342,6 +357,10 @@ class LocalRun:
         if self._thread.is_alive():
             raise TimeoutError(f"JobSet {self.plan.name} still running after {timeout}s")
         return self.status
+
+    def leader_tail(self, lines: int) -> list[str]:
+        with self._sink_lock:
+            return list(self._leader_tail)[-lines:] if lines > 0 else []
 
     def kill(self) -> JobSetStatus:
         """Stop every pod: SIGTERM to each pod's process group, SIGKILL after the grace
@@ -367,9 +386,14 @@ class LocalRun:
 
     def _pump(self, label: str, stream: Any) -> None:
         prefix = f"[{label}] "
+        leader = label == self.leader
         with stream:
             for raw in iter(stream.readline, b""):
-                self._emit(prefix + raw.decode("utf-8", "replace").rstrip("\r\n"))
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if leader:
+                    with self._sink_lock:
+                        self._leader_tail.append(line)
+                self._emit(prefix + line)
 
     # -- pods -----------------------------------------------------------------------------
 
@@ -724,7 +748,7 @@ class LocalBackend:
         try:
             return self._runs[handle.uid]
         except KeyError:
-            raise KeyError(
+            raise JobSetNotFound(
                 f"no local JobSet {handle.name} ({handle.uid}) in this backend"
             ) from None
 
@@ -736,3 +760,37 @@ class LocalBackend:
 
     def cancel(self, handle: JobSetHandle) -> JobSetStatus:
         return self.get(handle).kill()
+
+    # -- what a follower uses (the same calls the GKE trigger makes) -----------------------
+
+    def observe(self, handle: JobSetHandle) -> JobSetObservation:
+        run = self.get(handle)
+        status = run.status
+        # No resourceVersion locally: restarts and the end are the changes there are.
+        return JobSetObservation(
+            status=replace(status, exits=()),
+            version=f"{status.restarts}:{status.terminal_state or ''}",
+            max_restarts=run.plan.max_restarts,
+        )
+
+    def wait_for_change(self, handle: JobSetHandle, version: str | None, timeout: float) -> None:
+        run = self.get(handle)
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self.observe(handle).version == version:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                run.wait(min(self._poll, left))
+
+    def leader_log_tail(
+        self, handle: JobSetHandle, lines: int = 50
+    ) -> tuple[str | None, list[str]]:
+        run = self.get(handle)
+        return run.leader, run.leader_tail(lines) if run.leader else []
+
+    def with_exits(self, status: JobSetStatus) -> JobSetStatus:
+        return replace(status, exits=self.get(status.handle).status.exits)
+
+    def close(self) -> None:
+        """Nothing to release: the runs keep going until cancelled or done."""

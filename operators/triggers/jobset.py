@@ -36,7 +36,14 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from operators.jobset.backend import JobSetHandle, JobSetStatus
+from operators.hooks.jobset import JobSetAsyncHook
+from operators.jobset.backend import (
+    JobSetApiError,
+    JobSetError,
+    JobSetHandle,
+    JobSetNotFound,
+    JobSetObservation,
+)
 
 __all__ = ["JobSetTrigger", "new_lines"]
 
@@ -67,13 +74,11 @@ class _Seen:
     tail: list[str] = field(default_factory=list)
 
 
-def describe_changes(seen: _Seen, status: JobSetStatus, obj: Mapping[str, Any]) -> list[str]:
+def describe_changes(seen: _Seen, observed: JobSetObservation) -> list[str]:
     """Log lines for restarts and conditions not reported yet; updates ``seen``."""
-    from operators.jobset.gke import active_conditions
-
+    status = observed.status
     name = status.handle.name
-    max_restarts = ((obj.get("spec") or {}).get("failurePolicy") or {}).get("maxRestarts", 0)
-    counted = f"{status.restarts_counted}/{max_restarts} counted toward maxRestarts"
+    counted = f"{status.restarts_counted}/{observed.max_restarts} counted toward maxRestarts"
     lines = []
     if seen.restarts is None and status.restarts:
         lines.append(f"JobSet {name} has restarted {status.restarts} time(s) so far ({counted})")
@@ -83,11 +88,10 @@ def describe_changes(seen: _Seen, status: JobSetStatus, obj: Mapping[str, Any]) 
             "recreated, the trainer resumes from its last checkpoint"
         )
     seen.restarts = status.restarts
-    conditions = active_conditions(obj)
-    for kind, text in conditions.items():
+    for kind, text in observed.conditions.items():
         if seen.conditions.get(kind) != text:
             lines.append(f"JobSet {name} condition {kind}: {text}")
-    seen.conditions = conditions
+    seen.conditions = dict(observed.conditions)
     return lines
 
 
@@ -112,7 +116,7 @@ class JobSetTrigger(BaseTrigger):
         self.log_seconds = float(log_seconds)
         self.log_lines = int(log_lines)
         self.error_backoff = float(error_backoff)
-        self._backend_obj: Any = None
+        self._hook_obj: JobSetAsyncHook | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -134,11 +138,9 @@ class JobSetTrigger(BaseTrigger):
         # The triggerer routes a trigger's log into the deferred task's log.
         self.log.info("%s", line)
 
-    def _backend(self) -> Any:
-        if self._backend_obj is None:
-            from operators.hooks.jobset import JobSetHook
-
-            self._backend_obj = JobSetHook(
+    def _hook(self) -> JobSetAsyncHook:
+        if self._hook_obj is None:
+            self._hook_obj = JobSetAsyncHook(
                 "gke",
                 cluster=self.cluster,
                 log_sink=self._say,
@@ -149,8 +151,8 @@ class JobSetTrigger(BaseTrigger):
                     "backoff": min(1.0, self.error_backoff),
                     "max_backoff": 5.0,
                 },
-            ).get_backend()
-        return self._backend_obj
+            )
+        return self._hook_obj
 
     def _lease_obj(self) -> Any:
         from operators.triggers.lease import DeferredLease
@@ -174,14 +176,8 @@ class JobSetTrigger(BaseTrigger):
     # -- the loop -----------------------------------------------------------------------------
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from operators.jobset.gke import (
-            GkeBackendError,
-            JobSetApiError,
-            JobSetNotFound,
-            status_from_object,
-        )
-
         handle = JobSetHandle.from_dict(self.handle)
+        hook = self._hook()
         lease = self._lease_obj()
         seen = _Seen()
         next_renew = next_log = 0.0
@@ -206,8 +202,7 @@ class JobSetTrigger(BaseTrigger):
                         return
                     next_renew = time.monotonic() + lease.renew_every
             try:
-                backend = await asyncio.to_thread(self._backend)
-                obj = await asyncio.to_thread(backend.get, handle)
+                observed = await hook.observe(handle)
             except JobSetNotFound as exc:
                 yield self._event(VANISHED, f"{exc}: deleted from outside, or its ttl passed")
                 return
@@ -218,17 +213,17 @@ class JobSetTrigger(BaseTrigger):
                 self._say(f"Kubernetes API unavailable ({exc}); retrying in {self.error_backoff}s")
                 await asyncio.sleep(self.error_backoff)
                 continue
-            except GkeBackendError as exc:  # 401 after a refresh, 403, conflicts
+            except JobSetError as exc:  # 401 after a refresh, 403, conflicts
                 yield self._event(ERROR, str(exc))
                 return
-            status = status_from_object(handle, obj)
-            for line in describe_changes(seen, status, obj):
+            status = observed.status
+            for line in describe_changes(seen, observed):
                 self._say(line)
             if status.done or time.monotonic() >= next_log:
-                await self._show_log(backend, handle, seen)
+                await self._show_log(hook, handle, seen)
                 next_log = time.monotonic() + self.log_seconds
             if status.done:
-                status = await asyncio.to_thread(backend.with_exits, status)
+                status = await hook.with_exits(status)
                 self._say(
                     f"JobSet {handle.name} {status.terminal_state}: {status.reason} "
                     f"{status.message}".rstrip()
@@ -238,27 +233,24 @@ class JobSetTrigger(BaseTrigger):
             # Until the JobSet changes, the next log tail or the next lease renewal is due.
             due = [next_log] + ([next_renew] if lease is not None else [])
             wait = min(self.poll_seconds, max(0.0, min(due) - time.monotonic()))
-            await self._wait_for_change(backend, handle, obj, wait)
+            await self._wait_for_change(hook, handle, observed.version, wait)
 
     async def _wait_for_change(
-        self, backend: Any, handle: JobSetHandle, obj: Mapping[str, Any], timeout: float
+        self, hook: JobSetAsyncHook, handle: JobSetHandle, version: str | None, timeout: float
     ) -> None:
         """Until the JobSet changes or ``timeout`` passes; a failed watch falls back to sleep."""
-        from operators.jobset.gke import GkeBackendError
-
         started = time.monotonic()
-        version = (obj.get("metadata") or {}).get("resourceVersion")
         try:
-            await asyncio.to_thread(backend.wait_for_change, handle, version, timeout)
-        except GkeBackendError as exc:  # 410 expired version, watch not allowed, deleted...
+            await hook.wait_for_change(handle, version, timeout)
+        except JobSetError as exc:  # 410 expired version, watch not allowed, deleted...
             self.log.debug("watch ended (%s); polling", exc)
             await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))
         # A JobSet whose status changes constantly must not turn this into a busy loop.
         await asyncio.sleep(min(1.0, self.poll_seconds / 10))
 
-    async def _show_log(self, backend: Any, handle: JobSetHandle, seen: _Seen) -> None:
+    async def _show_log(self, hook: JobSetAsyncHook, handle: JobSetHandle, seen: _Seen) -> None:
         try:
-            pod, tail = await asyncio.to_thread(backend.leader_log_tail, handle, self.log_lines)
+            pod, tail = await hook.leader_log_tail(handle, self.log_lines)
         except Exception as exc:  # logs are a courtesy: never fail the run over them
             self.log.debug("leader log unavailable: %s", exc)
             return
@@ -278,20 +270,17 @@ class JobSetTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """The user killed the deferred task: delete the JobSet, fail the step, free the lease."""
-        await asyncio.to_thread(self.kill)
-
-    def kill(self) -> JobSetStatus:
-        status = self._backend().cancel(JobSetHandle.from_dict(self.handle))
+        status = await self._hook().cancel(JobSetHandle.from_dict(self.handle))
         lease = self._lease_obj()
         if lease is not None:
-            lease.fail(
+            await asyncio.to_thread(
+                lease.fail,
                 f"task killed while deferred: JobSet {self.handle['name']} deleted "
-                f"({status.message})"
+                f"({status.message})",
             )
-        return status
 
     async def cleanup(self) -> None:
         # Every exit, triggerer restarts included: release the client, never the JobSet.
-        if self._backend_obj is not None:
-            self._backend_obj.close()
-            self._backend_obj = None
+        if self._hook_obj is not None:
+            self._hook_obj.close()
+            self._hook_obj = None

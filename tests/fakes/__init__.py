@@ -2,6 +2,8 @@
 
 * :class:`tests.fakes.k8s_api.FakeKubernetesApiServer` -- a local HTTP server that speaks the
   Kubernetes REST paths and objects for JobSets and pods (not a cluster: nothing is scheduled).
+* ``tests/fakes/dataflow_launcher.py`` -- a stand-in interpreter for the Beam stage hook: records
+  the Dataflow launch command and prints the job-id line Beam prints (nothing is submitted).
 * :class:`tests.fakes.tpu_api.FakeTpuClient` -- answers the Cloud TPU API's
   ``list_accelerator_types`` from a fixed list (the TPU preflight's client).
 """

@@ -20,6 +20,7 @@ import pytest
 
 from operators.jobset import (
     Backend,
+    JobSetNotFound,
     JobSetStatus,
     LocalBackend,
     TrainingLaunch,
@@ -317,8 +318,37 @@ def test_backend_contract_and_handles(fake):
     assert status.succeeded and backend.poll(handle) == status
     assert type(handle).from_dict(json.loads(json.dumps(handle.to_dict()))) == handle
     json.dumps(status.to_dict())
-    with pytest.raises(KeyError):
+    with pytest.raises(JobSetNotFound):
         LocalBackend().poll(handle)
+
+
+def test_a_follower_sees_the_run_through_the_backend_protocol(fake):
+    """The calls the GKE trigger makes (observe, wait_for_change, leader_log_tail,
+    with_exits, close) work on the local backend too: one protocol for both."""
+    backend = LocalBackend(Lines())
+    handle = backend.submit(launch(fake, "logs", topology="2", slices=2))
+    first = backend.observe(handle)
+    backend.wait_for_change(handle, first.version, timeout=30)  # returns at the end
+    seen = backend.observe(handle)
+    assert seen.status.succeeded and seen.version != first.version
+    assert seen.status.exits == () and seen.max_restarts == 3  # TrainingLaunch's default
+    pod, tail = backend.leader_log_tail(handle, 10)
+    assert pod == "slice-0/worker-0"  # its lines only, in the order its one stream gave them
+    assert sorted(tail) == ["hello from 0-0", "no newline at the end", "warning from 0-0"]
+    assert backend.leader_log_tail(handle, 1) == (pod, tail[-1:])
+    done = backend.with_exits(seen.status)
+    assert sorted(done.exit_codes) == [
+        "slice-0/worker-0",
+        "slice-0/worker-1",
+        "slice-1/worker-0",
+        "slice-1/worker-1",
+    ]
+    assert set(done.exit_codes.values()) == {0}
+    started = time.monotonic()
+    backend.wait_for_change(handle, seen.version, timeout=0.3)  # nothing changes any more
+    assert time.monotonic() - started >= 0.3
+    backend.close()
+    assert backend.poll(handle).succeeded  # closing released nothing the run needs
 
 
 def test_unsupported_manifests_are_refused(fake):

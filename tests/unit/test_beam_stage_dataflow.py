@@ -1,10 +1,12 @@
 """BeamStageOperator on Dataflow, up to the network boundary.
 
-Nothing here reaches GCP: the provider's code runs for real (its operator, DataflowHook
-construction, job-name suffix, option formatting, job-id parsing, links, XCom) and the test
-intercepts at its two exits, ``run_beam_command`` (the launcher subprocess) and the
-DataflowHook's API calls (``wait_for_done``, ``cancel_job``). The last test runs the same
-module with the same options on the DirectRunner, as a real subprocess.
+Nothing here reaches GCP. The operator and its hook run for real (settings, job name with
+the provider's unique suffix, option formatting, the launcher subprocess, job-id parsing,
+kill); the boundary is the launcher -- ``tests/fakes/dataflow_launcher.py``, a FAKE
+interpreter that records its arguments and prints the job-id line Beam prints -- and the
+google provider's DataflowHook API calls (``wait_for_done``, ``cancel_job``), recorded here.
+The last test runs the same module with the same options on the DirectRunner, as a real
+subprocess.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar
@@ -64,68 +69,45 @@ class FakeTaskInstance:
         self.xcom[key] = value
 
 
-class FakeDataflow:
-    """The network boundary: records what the provider would run and ask Dataflow."""
+LAUNCHER = Path(__file__).resolve().parents[1] / "fakes" / "dataflow_launcher.py"
 
-    commands: ClassVar[list[list[str]]] = []
+
+class FakeDataflow:
+    """The network boundary: what the launcher was run with and what Dataflow was asked."""
+
+    record: ClassVar[Path]
     waited: ClassVar[list[dict[str, Any]]] = []
     cancelled: ClassVar[list[dict[str, Any]]] = []
-    during_launch: ClassVar[Any] = None  # called while "submitting" (simulates a kill)
 
     @classmethod
-    def reset(cls) -> None:
-        cls.commands, cls.waited, cls.cancelled, cls.during_launch = [], [], [], None
+    def reset(cls, record: Path) -> None:
+        cls.record, cls.waited, cls.cancelled = record, [], []
 
     @classmethod
-    def run_beam_command(
-        cls,
-        cmd: list[str],
-        log: Any,
-        process_line_callback: Any = None,
-        working_directory: str | None = None,
-        is_dataflow_job_id_exist_callback: Any = None,
-    ) -> None:
-        cls.commands.append(list(cmd))
-        if cls.during_launch is not None:
-            cls.during_launch()
-            raise RuntimeError("Apache Beam process failed with return code -15")
-        # What Beam's DataflowRunner logs once the job exists; the provider parses it.
-        process_line_callback(f"INFO:apiclient:Created job with id: [{JOB_ID}]\n")
-        assert is_dataflow_job_id_exist_callback()
+    def command(cls) -> list[str]:
+        """The launch command, as the hook ran it (the fake interpreter first)."""
+        return [str(LAUNCHER), *json.loads(cls.record.read_text())]
 
     @classmethod
-    def wait_for_done(cls, self: Any, **kwargs: Any) -> None:
-        cls.waited.append(kwargs)
-
-    @classmethod
-    def cancel_job(cls, self: Any, **kwargs: Any) -> None:
-        cls.cancelled.append(kwargs)
-
-    @staticmethod
-    def beam_version(cmd: list[str], *args: Any, **kwargs: Any) -> bytes:
-        # The hook asks the interpreter for Beam's version before launching (seconds each).
-        assert cmd[0] == sys.executable and "apache_beam" in cmd[-1]
-        return b"2.77.0\n"
+    def launched(cls) -> bool:
+        return cls.record.exists()
 
 
 @pytest.fixture(autouse=True)
-def boundary(monkeypatch):
-    from airflow.providers.apache.beam.hooks import beam as beam_hooks
+def boundary(monkeypatch, tmp_path):
     from airflow.providers.google.cloud.hooks.dataflow import DataflowHook
 
     import operators.beam_stage
 
-    FakeDataflow.reset()
-    monkeypatch.setattr(beam_hooks, "run_beam_command", FakeDataflow.run_beam_command)
-    monkeypatch.setattr(beam_hooks.subprocess, "check_output", FakeDataflow.beam_version)
+    FakeDataflow.reset(tmp_path / "launch.json")
+    monkeypatch.setenv("FAKE_LAUNCHER_RECORD", str(FakeDataflow.record))
+    monkeypatch.setenv("FAKE_LAUNCHER_JOB_ID", JOB_ID)
     monkeypatch.setattr(
-        DataflowHook, "wait_for_done", lambda self, **kw: FakeDataflow.wait_for_done(self, **kw)
+        DataflowHook, "wait_for_done", lambda self, **kw: FakeDataflow.waited.append(kw)
     )
     monkeypatch.setattr(
-        DataflowHook, "cancel_job", lambda self, **kw: FakeDataflow.cancel_job(self, **kw)
+        DataflowHook, "cancel_job", lambda self, **kw: FakeDataflow.cancelled.append(kw)
     )
-    # on_kill SIGTERMs the task's children: here those would be pytest's own, not a launcher.
-    monkeypatch.setattr(operators.beam_stage, "_child_pids", lambda: [])
     # The job's manifest would be read from gs:// once it finished: there is none here.
     monkeypatch.setattr(operators.beam_stage, "describe_stage_output", lambda out: {})
     # An anonymous connection with a project: the provider builds its hooks offline.
@@ -146,19 +128,40 @@ def _params(dataflow: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def _launch(op: Any, params: dict[str, Any], ti: FakeTaskInstance, raw: str = RAW) -> Any:
-    """Run the operator's stage code path for one ingest step, up to the provider's exits."""
+    """Run the operator's stage code path for one ingest step, up to the boundary."""
     stage = StageStep(STEP, "ingest", {"input": [raw], "num_shards": 2}, "dataset")
     context = {"params": params, "run_id": ti.run_id, "ti": ti, "task_instance": ti}
-    op._run_stage(context, params, stage, resolve(STEP, op.steps_root()))
-    return op._beam
+    return op._run_stage(context, params, stage, resolve(STEP, op.steps_root()))
 
 
 def _operator(monkeypatch, root: str = ROOT) -> Any:
     from operators.beam_stage import BeamStageOperator
 
-    op = BeamStageOperator(stage_task="ingest")
+    op = BeamStageOperator(stage_task="ingest", py_interpreter=str(LAUNCHER))
     monkeypatch.setattr(op, "steps_root", lambda: root)
     return op
+
+
+def _launch_in_background(op: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """Launch while the test plays the user who kills the task."""
+    errors: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            _launch(op, _params(), FakeTaskInstance())
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    return thread, errors
+
+
+def _until(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the launcher did not get there in time"
+        time.sleep(0.02)
 
 
 # -- the command and the job ------------------------------------------------------------------
@@ -168,16 +171,16 @@ def test_dataflow_command_and_job_are_exact(monkeypatch):
     from airflow.version import version as airflow_version
 
     op, ti = _operator(monkeypatch), FakeTaskInstance()
-    beam = _launch(op, _params(), ti)
+    result = _launch(op, _params(), ti)
 
-    (cmd,) = FakeDataflow.commands
-    job = beam.dataflow_job_name
+    cmd = FakeDataflow.command()
+    job = result["dataflow_job_name"]
     identity = RunIdentity("slipway_pipeline", "manual__2026-05-01", "ingest", 2)
     base = dataflow_job_name(identity, "ingest", VERSION)
     assert base == f"slipway-pipeline-ingest-{VERSION[:8]}-{identity.run_hash}"
     assert re.fullmatch(rf"{base}-[0-9a-f]{{8}}", job) and len(job) <= 63
 
-    assert cmd[:4] == [sys.executable, "-m", "pipelines.ingest", "--runner=DataflowRunner"]
+    assert cmd[:4] == [str(LAUNCHER), "-m", "pipelines.ingest", "--runner=DataflowRunner"]
     labels = {
         "slipway-dag": "slipway_pipeline",
         "slipway-run": "manual__2026-05-01",
@@ -208,35 +211,58 @@ def test_dataflow_command_and_job_are_exact(monkeypatch):
     # Exact: every argument, each once (argparse does not care about their order).
     assert Counter(cmd[4:]) == Counter(expected)
 
-    # The provider read the job id, exposed it (XCom + console link) and waited on that job.
-    assert beam.dataflow_job_id == JOB_ID
-    assert ti.xcom["dataflow_job_id"] == JOB_ID
-    assert ti.xcom["dataflow_job_config"]["job_id"] == JOB_ID
+    # The job id was read from the launcher's output, recorded with the step's result, and
+    # Dataflow was asked for that job's verdict.
+    assert result["dataflow_job_id"] == JOB_ID
     assert FakeDataflow.waited == [
         {"job_name": job, "location": "europe-west4", "job_id": JOB_ID, "project_id": PROJECT}
     ]
 
 
-def test_on_kill_cancels_the_running_job(monkeypatch):
+def test_on_kill_stops_the_launcher_and_cancels_the_running_job(monkeypatch):
+    from operators.hooks.beam import BeamStageFailed
+
+    monkeypatch.setenv("FAKE_LAUNCHER_MODE", "running")  # job submitted, launcher waiting on it
     op = _operator(monkeypatch)
-    beam = _launch(op, _params(), FakeTaskInstance())
-    op._beam = beam  # as while the provider waits on the job
+    thread, errors = _launch_in_background(op)
+    _until(lambda: op._hook is not None and op._hook.job_id == JOB_ID)
     op.on_kill()
+    thread.join(30)
+    assert not thread.is_alive()
+    (error,) = errors
+    assert isinstance(error, BeamStageFailed) and error.returncode == -15
     assert FakeDataflow.cancelled == [
         {"job_id": JOB_ID, "project_id": PROJECT, "location": "europe-west4"}
     ]
+    assert FakeDataflow.waited == []
 
 
 def test_on_kill_while_submitting_cancels_by_the_unique_name(monkeypatch):
+    monkeypatch.setenv("FAKE_LAUNCHER_MODE", "hang")  # killed before the job id was printed
     op = _operator(monkeypatch)
-    FakeDataflow.during_launch = op.on_kill  # killed before the launcher printed the job id
-    with pytest.raises(RuntimeError, match="return code -15"):
-        _launch(op, _params(), FakeTaskInstance())
+    thread, errors = _launch_in_background(op)
+    _until(lambda: FakeDataflow.launched() and op._hook is not None and op._hook._proc)
+    op.on_kill()
+    thread.join(30)
+    assert "exited with -15" in str(errors[0])
     (cancel,) = FakeDataflow.cancelled
     assert cancel["project_id"] == PROJECT and cancel["location"] == "europe-west4"
     assert re.fullmatch(
         rf"slipway-pipeline-ingest-{VERSION[:8]}-[0-9a-f]{{8}}-[0-9a-f]{{8}}", cancel["job_name"]
     )
+
+
+def test_a_failed_launch_fails_with_the_stage_output(monkeypatch):
+    from operators.hooks.beam import BeamStageFailed
+
+    monkeypatch.setenv("FAKE_LAUNCHER_MODE", "fail")
+    op = _operator(monkeypatch)
+    with pytest.raises(BeamStageFailed, match="the stage refused its input") as err:
+        _launch(op, _params(), FakeTaskInstance())
+    assert err.value.returncode == 3 and "exited with 3" in str(err.value)
+    assert FakeDataflow.waited == [] and FakeDataflow.cancelled == []
+    op.on_kill()  # after the end: nothing left to stop or cancel
+    assert FakeDataflow.cancelled == []
 
 
 def test_platform_defaults_connection_project_and_run_overrides(monkeypatch):
@@ -245,8 +271,8 @@ def test_platform_defaults_connection_project_and_run_overrides(monkeypatch):
     monkeypatch.setenv("SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE", IMAGE)
     monkeypatch.setenv("SLIPWAY_DATAFLOW_EXPERIMENTS", "enable_data_sampling, use_runner_v2")
     op = _operator(monkeypatch)
-    beam = _launch(op, _params({"location": "europe-west1"}), FakeTaskInstance())
-    args = FakeDataflow.commands[0]
+    _launch(op, _params({"location": "europe-west1"}), FakeTaskInstance())
+    args = FakeDataflow.command()
     assert "--project=slipway-conn" in args  # neither the run nor the platform named one
     assert "--region=europe-west1" in args  # the run's value wins
     assert f"--temp_location={BUCKET}/platform/tmp" in args
@@ -255,7 +281,6 @@ def test_platform_defaults_connection_project_and_run_overrides(monkeypatch):
         "--experiments=enable_data_sampling",
     ]
     assert not any(a.startswith(("--service_account_email", "--max_num_workers")) for a in args)
-    assert beam.dataflow_config.project_id == "slipway-conn"
 
 
 def test_no_project_anywhere_is_refused_before_launch(monkeypatch):
@@ -267,14 +292,14 @@ def test_no_project_anywhere_is_refused_before_launch(monkeypatch):
             _params({k: v for k, v in DATAFLOW.items() if k != "project_id"}),
             FakeTaskInstance(),
         )
-    assert FakeDataflow.commands == []
+    assert not FakeDataflow.launched()
 
 
 def test_local_paths_are_refused_for_dataflow(monkeypatch, tmp_path):
     op = _operator(monkeypatch, root=str(tmp_path / "steps"))
     with pytest.raises(DataflowSettingsError, match=r"gs:// paths.*--input=/data/raw"):
         _launch(op, _params(), FakeTaskInstance(), raw="/data/raw/brown.jsonl.gz")
-    assert FakeDataflow.commands == []
+    assert not FakeDataflow.launched()
 
 
 # -- job names --------------------------------------------------------------------------------
@@ -393,7 +418,7 @@ def test_the_dataflow_options_run_the_module_locally(monkeypatch, tmp_path):
     gs:// paths switched to local ones, runs the real stage module in a subprocess."""
     op = _operator(monkeypatch)
     _launch(op, _params(), FakeTaskInstance())
-    (cmd,) = FakeDataflow.commands
+    cmd = FakeDataflow.command()
 
     docs = [{"id": f"d{i}", "text": f"document number {i} " * 8, "source": "web"} for i in range(5)]
     docs.append({"id": "empty", "text": "", "source": "web"})
@@ -401,17 +426,15 @@ def test_the_dataflow_options_run_the_module_locally(monkeypatch, tmp_path):
     raw.write_bytes(gzip.compress("".join(json.dumps(d) + "\n" for d in docs).encode()))
     out = tmp_path / "out"
     local = {
+        str(LAUNCHER): sys.executable,
         "--runner=DataflowRunner": "--runner=DirectRunner",
         f"--input={RAW}": f"--input={raw}",
         f"--output={OUT}": f"--output={out}",
     }
     argv = [local.get(arg, arg) for arg in cmd]
-    assert sum(a != b for a, b in zip(argv, cmd, strict=True)) == 3
+    assert sum(a != b for a, b in zip(argv, cmd, strict=True)) == 4
 
-    monkeypatch.undo()  # the provider's real subprocess runner, not the fake
-    from airflow.providers.apache.beam.hooks.beam import BeamHook, run_beam_command
-
-    run_beam_command(argv, BeamHook(runner="DirectRunner").log)
+    subprocess.run(argv, check=True, capture_output=True)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["records_in"] == 6
     assert manifest["records_out"] + sum(manifest["dropped"].values()) == 6

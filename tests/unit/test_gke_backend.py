@@ -434,13 +434,13 @@ def test_form_keys_match_the_cluster_settings():
 def test_hook_builds_the_gke_backend(fake, kubeconfig):
     from operators.hooks.jobset import BackendUnavailable, JobSetHook
 
-    b = JobSetHook("gke", cluster={"namespace": NS, "kubeconfig": str(kubeconfig)}).get_backend()
+    b = JobSetHook("gke", cluster={"namespace": NS, "kubeconfig": str(kubeconfig)}).get_conn()
     assert isinstance(b, GkeBackend) and b.name == "gke"
     assert not b.poll(b.submit(manifest())).done
     with pytest.raises(BackendUnavailable, match="DNS-1123"):
-        JobSetHook("gke", cluster={"namespace": "Bad_NS"}).get_backend()
+        JobSetHook("gke", cluster={"namespace": "Bad_NS"}).get_conn()
     with pytest.raises(BackendUnavailable, match="unknown JobSet backend 'aws'"):
-        JobSetHook("aws").get_backend()
+        JobSetHook("aws").get_conn()
 
 
 def test_hook_reads_the_kubernetes_connection_when_no_source_is_given(kubeconfig, monkeypatch):
@@ -507,7 +507,7 @@ def test_gke_credentials_through_the_google_provider(fake, monkeypatch):
     monkeypatch.setattr(base_google, "GoogleBaseHook", Hook)
     monkeypatch.setattr(container_v1, "ClusterManagerClient", Manager)
     cluster = {"namespace": NS, "cluster_name": "tpu", "location": "us-east5", "gcp_conn_id": "g"}
-    backend = JobSetHook("gke", cluster=cluster).get_backend()
+    backend = JobSetHook("gke", cluster=cluster).get_conn()
     api = backend._client()
     assert seen == {"conn": "g", "cluster": "projects/conn-project/locations/us-east5/clusters/tpu"}
     assert api.configuration.host == "https://10.0.0.1"

@@ -113,18 +113,15 @@ def test_rerecording_a_version_updates_it_and_a_cache_hit_links_it(url):
 
 
 class _FakeBeam:
-    """Stands in for the Beam provider operator: writes a stage manifest, runs nothing."""
+    """Stands in for BeamStageHook: writes a stage manifest, runs nothing."""
 
-    def __init__(self, options):
-        self.options = options
-
-    def execute(self, context):
-        out = Path(self.options["output"])
+    def run_module(self, module, options):
+        out = Path(options["output"])
         out.mkdir(parents=True, exist_ok=True)
         manifest = {
             "stage": "ingest",
             "config": {},
-            "inputs": self.options["input"],
+            "inputs": options["input"],
             "records_in": 10,
             "records_out": 10,
             "dropped": {},
@@ -133,6 +130,7 @@ class _FakeBeam:
             "extra": {},
         }
         (out / "manifest.json").write_text(json.dumps(manifest))
+        return {}
 
     def on_kill(self):
         pass
@@ -162,7 +160,7 @@ def test_trace_of_a_run_reaches_the_fetch_that_fed_it(url, tmp_path, monkeypatch
         context = {"params": params, "run_id": run_id, "ti": None}
         FetchCorporaOperator().execute(context)  # corpora present: records them, fetches none
         ingest = BeamStageOperator(stage_task="ingest")
-        monkeypatch.setattr(ingest, "beam_operator", lambda stage, p, spec, o: _FakeBeam(o))
+        monkeypatch.setattr(ingest, "beam_hook", lambda runner, dataflow: _FakeBeam())
         [result] = ingest.execute(context)
         assert result["outcome"] == "RAN"
         return f"{result['output']}/output"

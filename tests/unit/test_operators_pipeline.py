@@ -125,25 +125,25 @@ def test_fetch_resolves_the_graph_once_and_later_tasks_read_it(home, params, mon
 
 
 class _FakeBeam:
-    """Stands in for BeamRunPythonPipelineOperator: writes a valid stage manifest."""
+    """Stands in for BeamStageHook (no subprocess): writes a valid stage manifest."""
 
     calls: ClassVar[list[dict]] = []
 
-    def __init__(self, options, fail=False):
-        self.options, self.fail = options, fail
+    def __init__(self, fail=False):
+        self.fail = fail
 
-    def execute(self, context):
-        _FakeBeam.calls.append(self.options)
+    def run_module(self, module, options):
+        _FakeBeam.calls.append(options)
         if self.fail:
-            raise RuntimeError("Apache Beam process failed with return code 2")
-        out = Path(self.options["output"])
+            raise RuntimeError("python -m pipelines.ingest exited with 2")
+        out = Path(options["output"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "manifest.json").write_text(
             json.dumps(
                 {
                     "stage": "ingest",
                     "config": {},
-                    "inputs": self.options["input"],
+                    "inputs": options["input"],
                     "records_in": 10,
                     "records_out": 8,
                     "dropped": {"empty_text": 2},
@@ -153,8 +153,9 @@ class _FakeBeam:
                 }
             )
         )
+        return {}
 
-    def on_kill(self):
+    def kill(self):
         pass
 
 
@@ -163,9 +164,7 @@ def _beam_operator(monkeypatch, fail=False):
 
     _FakeBeam.calls = []
     op = BeamStageOperator(stage_task="ingest")
-    monkeypatch.setattr(
-        op, "beam_operator", lambda stage, params, spec, options: _FakeBeam(options, fail)
-    )
+    monkeypatch.setattr(op, "beam_hook", lambda runner, dataflow: _FakeBeam(fail))
     return op
 
 
@@ -201,12 +200,12 @@ def test_beam_stage_failure_is_recorded_and_rerun(home, params, monkeypatch):
     from operators.lineage import ExecutionState
 
     op = _beam_operator(monkeypatch, fail=True)
-    with pytest.raises(RuntimeError, match="return code 2"):
+    with pytest.raises(RuntimeError, match="exited with 2"):
         op.execute(_context(params, "run-1"))
     with _store(home) as store:
         (node,) = store.run_graph("run-1").steps
         assert node.execution.state is ExecutionState.FAILED
-        assert "return code 2" in node.execution.error
+        assert "exited with 2" in node.execution.error
 
     op = _beam_operator(monkeypatch)  # a FAILED step reruns
     assert op.execute(_context(params, "run-2"))[0]["outcome"] == "RAN"
@@ -288,7 +287,7 @@ def test_record_summarises_a_failed_run(home, params, monkeypatch):
     summary = record.summarize(_context(params, "run-f"))
     assert summary["state"] == "FAILED"
     assert summary["failed"][0]["step"] == "ingest"
-    assert "return code 2" in summary["failed"][0]["error"]
+    assert "exited with 2" in summary["failed"][0]["error"]
     assert Path(summary["summary_path"]).exists()
     assert any(k.startswith("ingest-") for k in summary["resume"]["rerun"])
 
@@ -301,12 +300,12 @@ def test_record_summarises_a_failed_run(home, params, monkeypatch):
 def test_jobset_hook_backends():
     from operators.hooks.jobset import BackendUnavailable, JobSetHook
 
-    assert JobSetHook("local").get_backend().name == "local"
+    assert JobSetHook("local").get_conn().name == "local"
     # gke: tested against a fake API server in tests/unit/test_gke_backend.py
     gke = JobSetHook("gke", cluster={"namespace": "train", "kubeconfig": "/nonexistent"})
-    assert gke.get_backend().name == "gke"  # credentials load lazily, on the first call
+    assert gke.get_conn().name == "gke"  # credentials load lazily, on the first call
     with pytest.raises(BackendUnavailable, match="unknown JobSet backend"):
-        JobSetHook("k8s").get_backend()
+        JobSetHook("k8s").get_conn()
 
 
 class _TaskInstance:

@@ -1,0 +1,219 @@
+"""BeamStageHook: one data-plane stage as a subprocess the hook owns, followed to its end.
+
+``python -m pipelines.<stage> --runner=... <options>`` runs under this interpreter (``-m``:
+``pipelines.tokenize`` as a script would shadow the standard library's ``tokenize``). The
+hook keeps the process handle, so a killed task stops exactly its own launcher (no scan of
+the task's children) and a non-zero exit fails with the last lines the stage printed.
+
+On Dataflow the hook adds what the job needs on the launcher's command line (a job name
+unique per launch, project, region, service account, labels), reads the job id from the line
+Beam's DataflowRunner prints once the job exists (the google provider's parser), and, after
+the launcher returns (``with beam.Pipeline`` waits for the job), asks Dataflow for the job's
+own verdict (the provider's ``DataflowHook.wait_for_done``). ``kill`` cancels the job by id,
+or by its unique name while the launcher is still submitting.
+
+The options are formatted by the apache-beam provider's ``beam_options_to_args`` (lists
+repeat the flag, dicts become JSON, ``None`` is left out), so a command line reads as the
+provider's would.
+"""
+
+from __future__ import annotations
+
+import collections
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from airflow.sdk import BaseHook
+
+from operators.dataflow import DataflowJob
+
+__all__ = ["BeamStageFailed", "BeamStageHook", "DataflowJob", "gcp_connection_project"]
+
+# Lines of the stage's output quoted in a failure (the traceback's end, usually).
+FAILURE_TAIL_LINES = 30
+# After SIGTERM, how long the launcher has to stop before SIGKILL.
+KILL_GRACE_SECONDS = 10.0
+
+
+class BeamStageFailed(RuntimeError):
+    """The stage process exited non-zero (``returncode``: negative for a signal)."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def gcp_connection_project(gcp_conn_id: str) -> str | None:
+    """The Airflow GCP connection's project (its ``project`` extra, else its credentials'),
+    or None: the Dataflow project's last fallback."""
+    try:
+        from airflow.providers.google.common.hooks.base_google import GoogleBaseHook
+
+        return GoogleBaseHook(gcp_conn_id=gcp_conn_id).project_id or None
+    except Exception as exc:  # no such connection, no credentials: settings must name it
+        BaseHook().log.info("No project from connection %s: %s", gcp_conn_id, exc)
+        return None
+
+
+class BeamStageHook(BaseHook):
+    """Runs stage modules with one runner; on Dataflow, one job per :meth:`run_module`."""
+
+    hook_name = "Slipway Beam stage"
+
+    def __init__(
+        self,
+        runner: str = "DirectRunner",
+        *,
+        dataflow: DataflowJob | None = None,
+        py_interpreter: str = sys.executable,
+        line_callback: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__()
+        if (runner == "DataflowRunner") != (dataflow is not None):
+            raise ValueError("a DataflowJob is given exactly when the runner is DataflowRunner")
+        self.runner = runner
+        self.dataflow = dataflow
+        self.py_interpreter = py_interpreter
+        self.line_callback = line_callback
+        self.job_name: str | None = None  # the launched Dataflow job's unique name
+        self.job_id: str | None = None  # read from the launcher's output
+        self._proc: subprocess.Popen[str] | None = None
+
+    # -- the command ------------------------------------------------------------------------
+
+    def command(self, module: str, options: Mapping[str, Any]) -> list[str]:
+        from airflow.providers.apache.beam.hooks.beam import beam_options_to_args
+
+        return [
+            self.py_interpreter,
+            "-m",
+            module,
+            f"--runner={self.runner}",
+            *beam_options_to_args(dict(options)),
+        ]
+
+    def _dataflow_options(self, job: DataflowJob, job_name: str) -> dict[str, Any]:
+        from airflow.version import version as airflow_version
+
+        labels = {
+            **(job.labels or {}),
+            "airflow-version": "v" + airflow_version.replace(".", "-").replace("+", "-"),
+        }
+        options: dict[str, Any] = {"job_name": job_name}
+        if job.service_account:
+            # Beam Python reads --service_account_email (Java's --serviceAccount is refused).
+            options["service_account_email"] = job.service_account
+        options["project"] = job.project_id
+        options["region"] = job.location
+        options["labels"] = [f"{k}={v}" for k, v in labels.items()]
+        return options
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run_module(self, module: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Run one stage to its end; raise :class:`BeamStageFailed` on a non-zero exit.
+
+        Returns what identifies the run outside this machine (the Dataflow job), else ``{}``.
+        """
+        options = dict(options)
+        job = self.dataflow
+        on_line: Callable[[str], None] = lambda line: None  # noqa: E731
+        if job is not None:
+            from airflow.providers.google.cloud.hooks.dataflow import (
+                DataflowHook,
+                process_line_and_extract_dataflow_job_id_callback,
+            )
+
+            self.job_name = DataflowHook.build_dataflow_job_name(job.job_name, True)
+            self.job_id = None
+            options.update(self._dataflow_options(job, self.job_name))
+            on_line = process_line_and_extract_dataflow_job_id_callback(self._found_job_id)
+        cmd = self.command(module, options)
+        self.log.info("Running: %s", shlex.join(cmd))
+        tail: collections.deque[str] = collections.deque(maxlen=FAILURE_TAIL_LINES)
+        # One stream (stderr into stdout): the stage's log lines stay in the order written.
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        ) as proc:
+            self._proc = proc
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.rstrip("\n")
+                tail.append(line)
+                on_line(line)
+                self.log.info("%s", line)
+                if self.line_callback is not None:
+                    self.line_callback(line)
+            returncode = proc.wait()
+        self._proc = None
+        if returncode != 0:
+            raise BeamStageFailed(
+                f"python -m {module} exited with {returncode}; its last lines:\n  "
+                + "\n  ".join(tail),
+                returncode,
+            )
+        if job is None:
+            return {}
+        if not self.job_id:
+            raise BeamStageFailed(
+                f"python -m {module} ended without printing a Dataflow job id", returncode
+            )
+        self._dataflow_hook(job).wait_for_done(
+            job_name=self.job_name,
+            location=job.location,
+            job_id=self.job_id,
+            project_id=job.project_id,
+        )
+        return {"dataflow_job_id": self.job_id, "dataflow_job_name": self.job_name}
+
+    def _found_job_id(self, job_id: str) -> None:
+        if job_id != self.job_id:
+            self.job_id = job_id
+            job = self.dataflow
+            assert job is not None
+            self.log.info(
+                "Dataflow job %s: https://console.cloud.google.com/dataflow/jobs/%s/%s?project=%s",
+                job_id,
+                job.location,
+                job_id,
+                job.project_id,
+            )
+
+    @staticmethod
+    def _dataflow_hook(job: DataflowJob) -> Any:
+        from airflow.providers.google.cloud.hooks.dataflow import DataflowHook
+
+        # Batch jobs: cancel (not drain) on kill, and wait for the job to finish.
+        return DataflowHook(
+            gcp_conn_id=job.gcp_conn_id, drain_pipeline=False, wait_until_finished=True
+        )
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """Stop the launcher (SIGTERM, then SIGKILL) and cancel its Dataflow job, if any.
+
+        Safe to call from a signal handler while :meth:`run_module` waits on the process.
+        """
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(KILL_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        job = self.dataflow
+        if job is None or not self.job_name:
+            return  # nothing was submitted to Dataflow
+        where = {"project_id": job.project_id, "location": job.location}
+        # Before the launcher printed the id, the job may exist already; its unique name
+        # finds whatever was submitted.
+        ident = {"job_id": self.job_id} if self.job_id else {"job_name": self.job_name}
+        self.log.info("Cancelling Dataflow job %s", next(iter(ident.values())))
+        try:
+            self._dataflow_hook(job).cancel_job(**ident, **where)
+        except Exception:  # the task is being killed anyway: say what may be left running
+            self.log.exception("Could not cancel Dataflow job %s: cancel it in the console", ident)
