@@ -21,9 +21,10 @@ The same inputs and outputs feed the OpenLineage provider through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -367,3 +368,136 @@ def ol_dataset(uri: str) -> Any:
         bucket, _, path = rest.partition("/")
         return Dataset(namespace=f"{scheme}://{bucket}", name=path or "/")
     return Dataset(namespace="file", name=uri.removeprefix("file://"))
+
+
+# -- a step split at a deferral --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What :meth:`DeferredStep.submit` left: a finished ``result`` (a cache hit, a step
+    another run completed meanwhile), or a held ``lease`` and what the submission returned."""
+
+    result: StepResult | None = None
+    lease: Any = None  # operators.steps.HeldLease, held for the trigger to renew
+    value: Mapping[str, Any] = field(default_factory=dict)
+
+
+class DeferredStep:
+    """:meth:`StepLineageMixin.run_step` split at a deferral, for work that outlives the
+    task process (a JobSet on GKE followed by a trigger): the same step model and lineage.
+
+    * **start** -- :meth:`begin` starts the lineage execution RUNNING; :meth:`submit` claims
+      the step and runs the submission under a lease that stays *held* when it returns (a
+      SUCCESS output is a cache hit, recorded and returned as ``Submission.result``);
+    * **hold** -- the task defers with ``Submission.lease.to_dict()``; the trigger renews it
+      (:mod:`operators.triggers.lease`);
+    * **finish** -- on resume, :meth:`finish` ends the lease SUCCESS with the work's value
+      and the execution COMPLETE with its outputs, or, if anything raises, the lease FAILED
+      (unless it was taken over) and the execution FAILED; :meth:`fail` does the second alone.
+    """
+
+    def __init__(
+        self,
+        operator: StepLineageMixin,
+        step: Step,
+        *,
+        inputs: Iterable[ArtifactRef] = (),
+        outputs: Callable[[StepSpec, StepResult], Iterable[ArtifactRef]] = lambda s, r: (),
+        failure_properties: Callable[[StepSpec], Mapping[str, Any]] = lambda s: {},
+        complete_properties: Callable[[StepResult], Mapping[str, Any]] = lambda r: {},
+    ) -> None:
+        from operators.steps import resolve
+
+        self.operator = operator
+        self.step = step
+        self.root = operator.steps_root()
+        self.spec = resolve(step, self.root)
+        self.inputs = list(inputs)
+        self.outputs = outputs
+        self.failure_properties = failure_properties
+        self.complete_properties = complete_properties
+        operator._remember_io(
+            [resolve_uri(a.uri, self.root) for a in self.inputs], [self.spec.output_path]
+        )
+
+    def begin(self, context: Mapping[str, Any]) -> int:
+        """The lineage execution of this attempt, RUNNING, with its inputs."""
+        with self._store() as store:
+            return self.operator.start_step_execution(
+                store, context, self.step, self.spec, self.inputs, self.root
+            )
+
+    def submit(self, execution: int, fn: Callable[[StepSpec, Any], Any]) -> Submission:
+        """Claim the step and run ``fn(spec, lease)``; the lease stays held when it returns."""
+        from operators.steps import Status
+        from operators.triggers.lease import SubmittingStepRunner
+
+        runner = SubmittingStepRunner(self.root)
+        with self._store() as store:
+            try:
+                result = runner.run(self.step, lambda spec: fn(spec, runner.lease))
+            except BaseException as exc:
+                self._record_failure(store, execution, exc)
+                raise
+            if runner.lease is None or result.status.status is not Status.RUNNING:
+                self._record_done(store, execution, result)
+                return Submission(result=result)
+        return Submission(lease=runner.lease, value=dict(result.status.result or {}))
+
+    def finish(
+        self, execution: int, lease_data: Mapping[str, Any], work: Callable[[], Any]
+    ) -> StepResult:
+        """End the held lease and the execution with ``work()``'s value (or its error)."""
+        from operators.steps import HeldLease, LeaseLost, Outcome
+
+        lease = HeldLease.from_dict(lease_data)
+        with self._store() as store:
+            try:
+                record = lease.succeed(work())  # LeaseLost if taken over meanwhile
+            except BaseException as exc:
+                if not isinstance(exc, LeaseLost):  # a new owner holds it now: leave it be
+                    lease.fail(exc)
+                self._record_failure(store, execution, exc)
+                raise
+            result = StepResult(Outcome.RAN, self.spec, record)
+            self._record_done(store, execution, result)
+        return result
+
+    def fail(
+        self, execution: int | None, exc: BaseException, lease_data: Mapping[str, Any] | None
+    ) -> None:
+        """The work will not finish: the lease FAILED (if held) and the execution FAILED."""
+        from operators.steps import HeldLease
+
+        if lease_data:
+            HeldLease.from_dict(lease_data).fail(exc)
+        if execution is not None:
+            with self._store() as store:
+                self._record_failure(store, execution, exc)
+
+    # -- records ----------------------------------------------------------------------------
+
+    def _record_failure(self, store: Any, execution: int, exc: BaseException) -> None:
+        self.operator.fail_step_execution(
+            store, execution, exc, lambda: self.failure_properties(self.spec)
+        )
+
+    def _record_done(self, store: Any, execution: int, result: StepResult) -> None:
+        self.operator.finish_step_execution(
+            store,
+            execution,
+            result,
+            self.outputs(result.spec, result),
+            self.complete_properties(result),
+            self.root,
+        )
+        self.operator.log_step(self.step, result)
+
+    @contextlib.contextmanager
+    def _store(self) -> Iterator[Any]:
+        store = self.operator.lineage_store()
+        try:
+            yield store
+        finally:
+            store.close()

@@ -24,7 +24,14 @@ exactly as a preemption would (SIGTERM: the trainer saves a checkpoint at the st
 and exits 42), then fails the task. It only fires when the run *starts* below step N, so the
 retry resumes from that checkpoint and completes: the recovery path is exercised end to end.
 
-Evaluation is :mod:`operators.evaluation`; what both launch with is :mod:`operators.launching`.
+Evaluation is :mod:`operators.evaluation`; what both launch with is :mod:`operators.launching`;
+the step model and lineage of the deferred path are
+:class:`~operators.step_lineage.DeferredStep`'s.
+
+One module of ~600 lines, on purpose: the local and the GKE paths are one operator's two ways
+to run the same step, sharing its inputs, outputs, failure properties and result; what is
+GKE-only here is the deferral's Airflow side (submit, defer, follow another run's JobSet,
+``__fail__``), which has no other user.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from operators.launching import (
     trainer_launch,
     write_json,
 )
-from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
+from operators.step_lineage import ArtifactRef, DeferredStep, StepLineageMixin
 from operators.steps import Step, StepResult, StepSpec, join, output_path
 from trainer import rundir
 from trainer.rundir import last_checkpoint, read_metrics
@@ -98,6 +105,15 @@ def _training_result(out: str, status: Any, resumed_from: int | None) -> dict[st
         "checkpoint_step": ckpt[0] if ckpt else None,
         "resumed_from": resumed_from,
         "restarts": status.restarts,
+    }
+
+
+def _task_result(result: StepResult) -> dict[str, Any]:
+    """The task's return value (XCom): the outcome, the output, the training's summary."""
+    return {
+        "outcome": str(result.outcome),
+        "output": result.spec.output_path,
+        **(result.result or {}),
     }
 
 
@@ -153,17 +169,23 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             failure_properties=self._failure_properties,
             complete_properties=self._complete_properties,
         )
-        return {
-            "outcome": str(result.outcome),
-            "output": result.spec.output_path,
-            **(result.result or {}),
-        }
+        return _task_result(result)
 
     # -- gke: submit, defer, complete ---------------------------------------------------------
     #
-    # The step model and lineage as run_step does them, split at the deferral: execute starts
-    # the lineage execution and claims the step (SubmittingStepRunner keeps its lease held),
-    # the trigger renews the lease while the JobSet runs, execute_complete ends both.
+    # The step model and lineage as run_step does them, split at the deferral (DeferredStep):
+    # execute starts the lineage execution and submits under a held lease, the trigger renews
+    # the lease while the JobSet runs, execute_complete finishes both.
+
+    def _deferred(self, step: Step) -> DeferredStep:
+        return DeferredStep(
+            self,
+            step,
+            inputs=self._inputs(step),
+            outputs=self._outputs,
+            failure_properties=self._failure_properties,
+            complete_properties=self._complete_properties,
+        )
 
     def _execute_gke(
         self,
@@ -173,45 +195,29 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         execution: int | None = None,
         allow_follow: bool = True,
     ) -> dict[str, Any]:
-        from operators.steps import Status, resolve
-        from operators.triggers.lease import SubmittingStepRunner
-
-        root = self.steps_root()
-        spec = resolve(step, root)
-        self._remember_io(
-            [resolve_uri(a.uri, root) for a in self._inputs(step)], [spec.output_path]
+        deferred = self._deferred(step)
+        if execution is None:
+            execution = deferred.begin(context)
+        if allow_follow and (target := self._follow_target(deferred.root, step)) is not None:
+            self._defer_follow(target, execution)
+        submission = deferred.submit(
+            execution, lambda spec, lease: self._submit(spec, params, lease, context, execution)
         )
-        store = self.lineage_store()
-        try:
-            if execution is None:
-                execution = self._start_execution(store, context, step, spec, root)
-            if allow_follow and (target := self._follow_target(root, step)) is not None:
-                self._defer_follow(target, execution)
-            runner = SubmittingStepRunner(root)
-            try:
-                result = runner.run(
-                    step, lambda s: self._submit(s, params, runner, context, execution)
-                )
-            except BaseException as exc:
-                self._finish_failed(store, execution, spec, exc)
-                raise
-            if runner.lease is None or result.status.status is not Status.RUNNING:
-                return self._finish_done(store, execution, step, result)
-        finally:
-            store.close()
-        submitted = dict(result.status.result or {})
+        if submission.result is not None:
+            return _task_result(submission.result)
         self.log.info(
             "%s: JobSet %s submitted; deferring (the triggerer follows it, no worker slot held)",
             step.key,
-            submitted["handle"]["name"],
+            submission.value["handle"]["name"],
         )
+        lease = submission.lease.to_dict()
         self.defer(
-            trigger=self._trigger(submitted["handle"], params, runner.lease.to_dict()),
+            trigger=self._trigger(submission.value["handle"], params, lease),
             method_name="execute_complete",
             kwargs={
                 "execution_id": execution,
-                "lease": runner.lease.to_dict(),
-                "resumed_from": submitted.get("resumed_from"),
+                "lease": lease,
+                "resumed_from": submission.value.get("resumed_from"),
             },
         )
 
@@ -233,7 +239,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         self,
         spec: StepSpec,
         params: Mapping[str, Any],
-        runner: Any,
+        lease: Any,
         context: Any,
         execution: int,
     ) -> dict[str, Any]:
@@ -278,7 +284,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
                 {
                     "handle": handle.to_dict(),
                     "cluster": cluster,
-                    "lease": runner.lease.to_dict(),
+                    "lease": lease.to_dict(),
                     "execution_id": execution,
                     "run_id": context.get("run_id"),
                     "try_number": getattr(context.get("ti"), "try_number", None),
@@ -383,59 +389,46 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         follow: str | None = None,
     ) -> dict[str, Any]:
         """The trigger fired: record the step's end (SUCCESS/FAILED) and its lineage."""
-        from operators.steps import resolve
-
         params = self.run_params(context)
         step = self.step_graph(context).train
         if follow is not None:
             return self._complete_follow(context, params, step, event, execution_id, follow)
-        spec = resolve(step, self.steps_root())
-        store = self.lineage_store()
-        try:
-            return self._complete(store, spec, step, event, execution_id, lease, resumed_from)
-        finally:
-            store.close()
+        deferred = self._deferred(step)
+        result = deferred.finish(
+            execution_id,
+            lease or {},
+            lambda: self._finished_jobset(deferred.spec, event, lease or {}, resumed_from),
+        )
+        return _task_result(result)
 
-    def _complete(
+    def _finished_jobset(
         self,
-        store: Any,
         spec: StepSpec,
-        step: Step,
         event: Mapping[str, Any],
-        execution: int,
-        lease_data: Mapping[str, Any] | None,
+        lease: Mapping[str, Any],
         resumed_from: int | None,
     ) -> dict[str, Any]:
+        """The training's value from the trigger's event; raises when it did not succeed."""
         from operators.jobset.gke import status_from_dict
-        from operators.steps import LeaseLost, Outcome
+        from operators.steps import LeaseLost
         from operators.triggers.jobset import ERROR, LEASE_LOST, TERMINAL
-        from operators.triggers.lease import DeferredLease
 
-        lease = DeferredLease.from_dict(lease_data or {})
         kind, message = event.get("event"), event.get("message", "")
-        try:
-            if kind == LEASE_LOST:
-                raise LeaseLost(message)  # the new owner follows the JobSet: leave it running
-            if kind != TERMINAL:
-                if kind == ERROR:
-                    self._cancel_quietly(event["handle"], lease)
-                raise TrainingFailed(f"JobSet {event['handle']['name']} {kind}: {message}")
-            status = status_from_dict(event["status"])
-            self.log.info(
-                "JobSet %s %s (%s) after %d restart(s)",
-                status.handle.name,
-                status.terminal_state,
-                status.reason,
-                status.restarts,
-            )
-            value = _training_result(spec.output_path, status, resumed_from)
-            record = lease.succeed(value)  # LeaseLost if taken over meanwhile
-        except BaseException as exc:
-            if not isinstance(exc, LeaseLost):
-                lease.fail(exc)
-            self._finish_failed(store, execution, spec, exc)
-            raise
-        return self._finish_done(store, execution, step, StepResult(Outcome.RAN, spec, record))
+        if kind == LEASE_LOST:
+            raise LeaseLost(message)  # the new owner follows the JobSet: leave it running
+        if kind != TERMINAL:
+            if kind == ERROR:
+                self._cancel_quietly(event["handle"], lease.get("output") or spec.output_path)
+            raise TrainingFailed(f"JobSet {event['handle']['name']} {kind}: {message}")
+        status = status_from_dict(event["status"])
+        self.log.info(
+            "JobSet %s %s (%s) after %d restart(s)",
+            status.handle.name,
+            status.terminal_state,
+            status.reason,
+            status.restarts,
+        )
+        return _training_result(spec.output_path, status, resumed_from)
 
     def _complete_follow(
         self,
@@ -462,11 +455,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
                 f"{event.get('message', '')}".strip()
             )
         if exc is not None:
-            store = self.lineage_store()
-            try:
-                self._finish_failed(store, execution, None, exc)
-            finally:
-                store.close()
+            self._deferred(step).fail(execution, exc, None)  # the lease is the owner's
             raise exc
         # SUCCESS (a cache hit), or the owner is about to record it (its lease is still live:
         # the step runner waits for it), or it died (stale lease: taken over and resubmitted,
@@ -490,12 +479,10 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     def _abandon_deferred(self, context: Any, error: Any) -> None:
         from operators.hooks.jobset import JobSetHook
         from operators.jobset import JobSetHandle
-        from operators.steps import resolve
-        from operators.triggers.lease import DeferredLease, handle_file
+        from operators.triggers.lease import handle_file
 
-        step = self.step_graph(context).train
-        spec = resolve(step, self.steps_root())
-        saved = _read_json(handle_file(spec.output_path))
+        deferred = self._deferred(self.step_graph(context).train)
+        saved = _read_json(handle_file(deferred.spec.output_path))
         try_number = getattr(context.get("ti"), "try_number", None)
         if (
             not saved
@@ -510,61 +497,19 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
         status = hook.cancel(handle)
         self.log.warning("JobSet %s: %s (%s)", handle.name, reason, status.message)
-        lease = DeferredLease.from_dict(saved["lease"])
-        lease.fail(reason)
-        if saved.get("execution_id") is not None:
-            store = self.lineage_store()
-            try:
-                self._finish_failed(store, saved["execution_id"], spec, TrainingFailed(reason))
-            finally:
-                store.close()
+        deferred.fail(saved.get("execution_id"), TrainingFailed(reason), saved["lease"])
 
-    def _cancel_quietly(self, handle: Mapping[str, Any], lease: Any) -> None:
+    def _cancel_quietly(self, handle: Mapping[str, Any], output: str) -> None:
         from operators.hooks.jobset import JobSetHook
         from operators.jobset import JobSetHandle
         from operators.triggers.lease import handle_file
 
-        saved = _read_json(handle_file(lease.output)) or {}
+        saved = _read_json(handle_file(output)) or {}
         try:
             hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
             hook.cancel(JobSetHandle.from_dict(handle))
         except Exception:
             self.log.exception("could not delete JobSet %s", handle.get("name"))
-
-    # -- lineage of the gke path (as run_step records it) --------------------------------------
-
-    def _start_execution(
-        self, store: Any, context: Any, step: Step, spec: StepSpec, root: str
-    ) -> int:
-        return self.start_step_execution(store, context, step, spec, self._inputs(step), root)
-
-    def _finish_failed(
-        self, store: Any, execution: int, spec: StepSpec | None, exc: BaseException
-    ) -> None:
-        self.fail_step_execution(
-            store,
-            execution,
-            exc,
-            (lambda: self._failure_properties(spec)) if spec is not None else dict,
-        )
-
-    def _finish_done(
-        self, store: Any, execution: int, step: Step, result: StepResult
-    ) -> dict[str, Any]:
-        self.finish_step_execution(
-            store,
-            execution,
-            result,
-            self._outputs(result.spec, result),
-            self._complete_properties(result),
-            self.steps_root(),
-        )
-        self.log_step(step, result)
-        return {
-            "outcome": str(result.outcome),
-            "output": result.spec.output_path,
-            **(result.result or {}),
-        }
 
     def _train(self, spec: StepSpec, params: Mapping[str, Any]) -> dict[str, Any]:
         out = spec.output_path
