@@ -1,4 +1,4 @@
-"""Scaling recipe: pure functions from a compute budget C (training FLOPs) to a run.
+"""Scaling laws and shapes: the pure functions the recipes (:mod:`trainer.recipes`) are made of.
 
 - Model shape from a parameter target: head_dim 64 (128 from hidden 2048), hidden a multiple of
   128, depth from a fixed aspect ratio (hidden ~ 64-96 x layers, as in Marin/Levanter sweeps),
@@ -7,16 +7,14 @@
   C ~ 6 N D; tokens are then D = C / flops_per_token (our exact FLOPs, attention included).
 - Batch size and learning rate from DeepSeek LLM's fitted laws (2024, their eq. 1):
   B_tokens = 0.292 C^0.3271 and lr = 0.3118 C^-0.125 (C in FLOPs), clamped to sane ranges.
-- IsoFLOP grid: several N around the optimum at fixed C, each with its own D = C / fpt(N).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from trainer.config import ModelConfig
-from trainer.shapes import flops_per_token, param_count
+from trainer.shapes import param_count
 
 TOKENS_PER_PARAM = 20.0
 
@@ -71,85 +69,3 @@ def batch_tokens(compute: float) -> float:
 
 def learning_rate(compute: float) -> float:
     return min(1e-2, max(1e-4, 0.3118 * compute**-0.125))
-
-
-@dataclass(frozen=True)
-class RecipePoint:
-    compute: float
-    model: ModelConfig
-    seq_len: int
-    batch_size: int  # sequences
-    steps: int
-    learning_rate: float
-    warmup_steps: int
-
-    @property
-    def params(self) -> int:
-        return param_count(self.model)
-
-    @property
-    def tokens(self) -> int:
-        return self.steps * self.batch_size * self.seq_len
-
-    @property
-    def flops(self) -> float:
-        return self.tokens * flops_per_token(self.model, self.seq_len)
-
-    def overrides(self) -> list[str]:
-        """``--set`` overrides for ``python -m trainer.train``."""
-        m = self.model
-        return [
-            f"model.hidden_dim={m.hidden_dim}",
-            f"model.intermediate_dim={m.intermediate_dim}",
-            f"model.num_layers={m.num_layers}",
-            f"model.num_heads={m.num_heads}",
-            f"model.num_kv_heads={m.num_kv_heads}",
-            f"model.head_dim={m.head_dim}",
-            f"seq_len={self.seq_len}",
-            f"batch_size={self.batch_size}",
-            f"steps={self.steps}",
-            f"optimizer.learning_rate={self.learning_rate}",
-            f"optimizer.warmup_steps={self.warmup_steps}",
-        ]
-
-
-def point(
-    compute: float, target_params: float, *, vocab_size: int, seq_len: int = 4096
-) -> RecipePoint:
-    model = shape_for_params(target_params, vocab_size, seq_len)
-    fpt = flops_per_token(model, seq_len)
-    tokens = compute / fpt
-    # batch: the fitted law, a power of two in sequences, at most 1/50 of the run's tokens
-    seqs = batch_tokens(compute) / seq_len
-    seqs = min(seqs, tokens / (50 * seq_len))
-    batch = 2 ** max(0, round(math.log2(max(seqs, 1))))
-    steps = max(1, round(tokens / (batch * seq_len)))
-    return RecipePoint(
-        compute=compute,
-        model=model,
-        seq_len=seq_len,
-        batch_size=batch,
-        steps=steps,
-        learning_rate=learning_rate(compute),
-        warmup_steps=min(steps // 10, 2000),
-    )
-
-
-def compute_optimal(compute: float, *, vocab_size: int, seq_len: int = 4096) -> RecipePoint:
-    return point(compute, optimal_params(compute), vocab_size=vocab_size, seq_len=seq_len)
-
-
-def isoflop_grid(
-    compute: float, *, vocab_size: int, seq_len: int = 4096, points: int = 5, spread: float = 4.0
-) -> list[RecipePoint]:
-    """``points`` model sizes log-spaced over [N*/spread, N* x spread], all at budget C;
-    shapes that collapse to the same model are kept once."""
-    n_opt = optimal_params(compute)
-    out: list[RecipePoint] = []
-    for i in range(points):
-        frac = i / max(points - 1, 1)
-        target = n_opt * spread ** (2 * frac - 1)
-        p = point(compute, target, vocab_size=vocab_size, seq_len=seq_len)
-        if not out or p.model != out[-1].model:
-            out.append(p)
-    return out
