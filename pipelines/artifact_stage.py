@@ -1,11 +1,12 @@
-"""Harness for stages whose output is an artifact (a tokenizer model, a token store).
+"""The artifact output strategy of the one harness (:mod:`pipelines.stage`): a tokenizer model,
+a token store.
 
-Same contract as ``pipelines.stage``: read inputs, turn every record that is not used into a
-counted dead letter, and prove in a manifest that nothing was lost. What differs is the
-output: not document shards (copying the corpus would be waste) but files that the stage's
-workers write (``parts``) and that one final, single-element step assembles (``finalize``:
-train the tokenizer, write the token store's ledger). A single-element step is how "run once
-after everything else" is expressed on any runner, Dataflow included.
+Same contract as every stage: read inputs, turn every record that is not used into a counted
+dead letter, and prove in a manifest that nothing was lost (the harness does those). What
+differs is the output: not document shards (copying the corpus would be waste) but files that
+the stage's workers write (``parts``) and that one final, single-element step assembles
+(``finalize``: train the tokenizer, write the token store's ledger). A single-element step is
+how "run once after everything else" is expressed on any runner, Dataflow included.
 
 The manifest is a ``pipelines.manifest.Manifest`` (so ``read_manifest`` and the lineage's
 ``describe_documents`` read it like any other stage's), with ``format`` ``slipway-artifact/v1``:
@@ -18,10 +19,9 @@ artifact is finalized, and again (with the shard counts) before the manifest is 
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,19 +30,14 @@ import apache_beam as beam
 import fsspec
 
 from pipelines import storage
-from pipelines.beam_io import (
-    DEAD,
-    RECORDS,
-    ParseDocuments,
-    ReadRecords,
-    write_dead_letters,
-)
-from pipelines.manifest import AccountingError, Manifest, ShardInfo, read_manifest
+from pipelines.beam_io import DEAD, RECORDS, ParseDocuments, ReadRecords
+from pipelines.manifest import AccountingError, Manifest, ShardInfo
 from pipelines.stage import (
     DEFAULT_SHARDS,
-    command_line,
-    log_finished,
-    prepare_run,
+    Planned,
+    StageRun,
+    run_pipeline,
+    stage_main,
 )
 
 log = logging.getLogger(__name__)
@@ -131,13 +126,6 @@ ArtifactReadBuild = Callable[
 ]
 
 
-@dataclass(frozen=True)
-class ArtifactRun:
-    output: str
-    manifest: Manifest
-    seconds: float
-
-
 def _finish(
     _: Any,
     *,
@@ -175,6 +163,53 @@ def _total(pcoll: beam.PCollection, label: str) -> beam.PCollection:
     return pcoll | label >> beam.CombineGlobally(sum)
 
 
+@dataclass(frozen=True)
+class FinalizedArtifact:
+    """The artifact stages' output strategy: parts written by the workers, finalized once.
+
+    With ``read_build``, the stage is first offered the inputs to read itself; ``build`` runs
+    on the harness's parsed documents when it declines.
+    """
+
+    kind: str  # the manifest's extra.kind: "tokenizer" | "token-store"
+    build: ArtifactBuild
+    read_build: ArtifactReadBuild | None = None
+
+    def expand(
+        self,
+        pipeline: beam.Pipeline,
+        stage: str,
+        config: Any,
+        inputs: list[str],
+        output: str,
+        num_shards: int,
+    ) -> Planned:
+        target = ArtifactTarget(output, num_shards)
+        built = self.read_build(pipeline, inputs, config, target) if self.read_build else None
+        if built is not None and built.records_in is not None:
+            records_in = _total(built.records_in, "RecordsIn")
+            dead: list[beam.PCollection] = [built.dropped]
+        else:
+            read = pipeline | "ReadInputs" >> ReadRecords(inputs)
+            ones_in = (
+                read[RECORDS] | "OneRecord" >> beam.Map(lambda _: 1),
+                read[DEAD] | "OneUnreadable" >> beam.Map(lambda _: 1),
+            ) | "InOnes" >> beam.Flatten()
+            records_in = _total(ones_in, "RecordsIn")
+            parsed = read[RECORDS] | "Parse" >> ParseDocuments(stage)
+            built = self.build(parsed[RECORDS], config, target)
+            dead = [read[DEAD], parsed[DEAD], built.dropped]
+        return Planned(
+            records_in=records_in,
+            dead=dead,
+            finish=functools.partial(_finish, finalize=built.finalize, kind=self.kind),
+            sides={
+                "records_out": beam.pvalue.AsSingleton(_total(built.records_out, "RecordsOut")),
+                "parts": beam.pvalue.AsList(built.parts),
+            },
+        )
+
+
 def run_artifact_stage(
     stage: str,
     kind: str,
@@ -186,61 +221,17 @@ def run_artifact_stage(
     num_shards: int = DEFAULT_SHARDS,
     beam_args: Sequence[str] = (),
     read_build: ArtifactReadBuild | None = None,
-) -> ArtifactRun:
-    """Run an artifact stage as one Beam pipeline and return its manifest.
-
-    With ``read_build``, the stage is first offered the inputs to read itself; ``build`` runs
-    on the harness's parsed documents when it declines.
-    """
-    options = prepare_run(stage, inputs, output, num_shards, beam_args)
-    config_dict = dataclasses.asdict(config)
-    target = ArtifactTarget(output, num_shards)
-    started = time.monotonic()
-    with beam.Pipeline(options=options) as pipeline:
-        built = read_build(pipeline, list(inputs), config, target) if read_build else None
-        if built is not None and built.records_in is not None:
-            records_in = _total(built.records_in, "RecordsIn")
-            letters: tuple[beam.PCollection, ...] = (built.dropped,)
-        else:
-            read = pipeline | "ReadInputs" >> ReadRecords(inputs)
-            ones_in = (
-                read[RECORDS] | "OneRecord" >> beam.Map(lambda _: 1),
-                read[DEAD] | "OneUnreadable" >> beam.Map(lambda _: 1),
-            ) | "InOnes" >> beam.Flatten()
-            records_in = _total(ones_in, "RecordsIn")
-            parsed = read[RECORDS] | "Parse" >> ParseDocuments(stage)
-            built = build(parsed[RECORDS], config, target)
-            letters = (read[DEAD], parsed[DEAD], built.dropped)
-        dead = letters | "AllDead" >> beam.Flatten()
-        dead_shards = write_dead_letters(dead, output, num_shards)
-        reasons = (
-            dead
-            | "Reason" >> beam.Map(lambda letter: letter["reason"])
-            | "CountReasons" >> beam.combiners.Count.PerElement()
-        )
-        (
-            pipeline
-            | "Once" >> beam.Create([None])
-            | "Finalize"
-            >> beam.Map(
-                _finish,
-                finalize=built.finalize,
-                output=output,
-                stage=stage,
-                kind=kind,
-                config=config_dict,
-                inputs=list(inputs),
-                records_in=beam.pvalue.AsSingleton(records_in),
-                records_out=beam.pvalue.AsSingleton(_total(built.records_out, "RecordsOut")),
-                reasons=beam.pvalue.AsDict(reasons),
-                dead_shards=beam.pvalue.AsList(dead_shards),
-                parts=beam.pvalue.AsList(built.parts),
-            )
-        )
-    manifest = read_manifest(output)
-    seconds = time.monotonic() - started
-    log_finished(stage, manifest, seconds)
-    return ArtifactRun(output, manifest, seconds)
+) -> StageRun:
+    """Run an artifact stage (:class:`FinalizedArtifact`) and return its manifest."""
+    return run_pipeline(
+        stage,
+        FinalizedArtifact(kind, build, read_build),
+        config,
+        inputs,
+        output,
+        num_shards=num_shards,
+        beam_args=beam_args,
+    )
 
 
 def artifact_main(
@@ -254,31 +245,13 @@ def artifact_main(
     add_arguments: Callable[[Any], None] | None = None,
     apply_arguments: Callable[[Any, Any], Any] | None = None,
     read_build: ArtifactReadBuild | None = None,
-) -> ArtifactRun:
-    """Command line shared by artifact stages; unknown flags are Beam pipeline options.
-
-    ``add_arguments(parser)`` adds stage flags; ``apply_arguments(config, args)`` folds them
-    into the config, so the manifest records them like any other setting.
-    """
-
-    def execute(config: Any, args: Any, beam_args: list[str]) -> ArtifactRun:
-        return run_artifact_stage(
-            stage,
-            kind,
-            build,
-            config,
-            args.input,
-            args.output,
-            num_shards=args.num_shards,
-            beam_args=beam_args,
-            read_build=read_build,
-        )
-
-    return command_line(
+) -> StageRun:
+    """Command line of an artifact stage (the harness's :func:`~pipelines.stage.stage_main`)."""
+    return stage_main(
         stage,
         description,
         config_type,
-        execute,
+        FinalizedArtifact(kind, build, read_build),
         argv,
         add_arguments=add_arguments,
         apply_arguments=apply_arguments,

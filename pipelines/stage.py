@@ -1,10 +1,20 @@
-"""The harness every document stage runs in: read -> transform -> write, with accounting.
+"""The one harness every data-plane stage runs in: read -> transform -> write, with accounting.
 
-A stage supplies a ``build`` function ``(records, config) -> (kept, dropped)`` over Beam
-PCollections. The harness reads the inputs, turns undecodable records into dead letters,
-writes kept documents and dead letters as deterministic shards, and writes a manifest whose
-counts prove that nothing was lost. Every stage module exposes ``main(argv)`` so it runs on its
-own as ``python -m pipelines.<stage> --input ... --output ... [beam pipeline options]``.
+:func:`run_pipeline` owns what every stage shares: the checks and options of a run
+(:func:`prepare_run`), one Beam pipeline, the dead letters (every record not kept, with its
+reason) written as deterministic shards and counted by reason, a single final step that writes
+the manifest proving nothing was lost, and the log line. What differs is the **output
+strategy**, which reads the inputs, runs the stage's ``build`` and says what the manifest
+records:
+
+* :class:`DocumentShards` (this module) -- the document stages: ``build(records, config)``
+  returns kept documents (written as deterministic shards) and dead letters;
+* :class:`~pipelines.artifact_stage.FinalizedArtifact` -- the tokenizer and the token store:
+  the workers write parts and one final step assembles the artifact (trains the tokenizer,
+  writes the token store's ledger) once the counts are checked.
+
+Every stage module exposes ``main(argv)`` (:func:`command_line`) so it runs on its own as
+``python -m pipelines.<stage> --input ... --output ... [beam pipeline options]``.
 """
 
 from __future__ import annotations
@@ -175,6 +185,124 @@ def log_finished(stage: str, manifest: Manifest, seconds: float) -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """What an output strategy added to the pipeline, for the harness to finish.
+
+    ``records_in``: one int, the records read (readable or not); ``dead``: every dead-letter
+    collection; ``finish(_, *, output, stage, config, inputs, records_in, reasons,
+    dead_shards, **sides)`` writes the manifest, run once after everything else with
+    ``sides`` (Beam side inputs) as keyword arguments.
+    """
+
+    records_in: beam.PCollection
+    dead: Sequence[beam.PCollection]
+    finish: Callable[..., None]
+    sides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class OutputStrategy(Protocol):
+    """How a stage reads its inputs, runs its ``build`` and records its output."""
+
+    def expand(
+        self,
+        pipeline: beam.Pipeline,
+        stage: str,
+        config: Any,
+        inputs: list[str],
+        output: str,
+        num_shards: int,
+    ) -> Planned: ...
+
+
+def run_pipeline(
+    stage: str,
+    strategy: OutputStrategy,
+    config: Any,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    num_shards: int = DEFAULT_SHARDS,
+    beam_args: Sequence[str] = (),
+) -> StageRun:
+    """Run one stage as one Beam pipeline and return its manifest."""
+    options = prepare_run(stage, inputs, output, num_shards, beam_args)
+    config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    started = time.monotonic()
+    with beam.Pipeline(options=options) as pipeline:
+        planned = strategy.expand(pipeline, stage, config, list(inputs), output, num_shards)
+        dead = tuple(planned.dead) | "AllDead" >> beam.Flatten()
+        dead_shards = write_dead_letters(dead, output, num_shards)
+        reasons = _count_reasons(dead)
+        (
+            pipeline
+            | "Once" >> beam.Create([None])
+            | "Manifest"
+            >> beam.Map(
+                planned.finish,
+                output=output,
+                stage=stage,
+                config=config_dict,
+                inputs=list(inputs),
+                records_in=beam.pvalue.AsSingleton(planned.records_in),
+                reasons=beam.pvalue.AsDict(reasons),
+                dead_shards=beam.pvalue.AsList(dead_shards),
+                **planned.sides,
+            )
+        )
+    manifest = read_manifest(output)
+    seconds = time.monotonic() - started
+    log_finished(stage, manifest, seconds)
+    return StageRun(output, manifest, seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentShards:
+    """The document stages' output: kept documents as deterministic shards.
+
+    ``raw_records`` hands ``build`` the undecoded ``(origin, object)`` pairs (ingest needs
+    them: raw records have no ids yet); other stages get validated documents.
+    """
+
+    build: Build
+    raw_records: bool = False
+
+    def expand(
+        self,
+        pipeline: beam.Pipeline,
+        stage: str,
+        config: Any,
+        inputs: list[str],
+        output: str,
+        num_shards: int,
+    ) -> Planned:
+        read = pipeline | "ReadInputs" >> ReadRecords(inputs)
+        records_in = read[RECORDS] | "CountRecords" >> beam.combiners.Count.Globally()
+        unreadable_in = read[DEAD] | "CountUnreadable" >> beam.combiners.Count.Globally()
+        total_in = (
+            (records_in, unreadable_in)
+            | "InCounts" >> beam.Flatten()
+            | "RecordsIn" >> beam.CombineGlobally(sum)
+        )
+        if self.raw_records:
+            built = self.build(read[RECORDS], config)
+            dead = [read[DEAD], built.dropped]
+        else:
+            parsed = read[RECORDS] | "Parse" >> ParseDocuments(stage)
+            built = self.build(parsed[RECORDS], config)
+            dead = [read[DEAD], built.dropped, parsed[DEAD]]
+        extra = built.extra
+        if extra is None:
+            extra = pipeline | "NoExtra" >> beam.Create([], reshuffle=False)
+        shards = write_documents(built.kept, output, num_shards)
+        return Planned(
+            records_in=total_in,
+            dead=dead,
+            finish=_write_manifest,
+            sides={"shards": beam.pvalue.AsList(shards), "extra": beam.pvalue.AsList(extra)},
+        )
+
+
 def run_stage(
     stage: str,
     build: Build,
@@ -186,59 +314,16 @@ def run_stage(
     beam_args: Sequence[str] = (),
     raw_records: bool = False,
 ) -> StageRun:
-    """Run one stage as a Beam pipeline and return its manifest.
-
-    ``raw_records`` hands ``build`` the undecoded ``(origin, object)`` pairs (ingest needs
-    them: raw records have no ids yet); other stages get validated documents.
-    """
-    options = prepare_run(stage, inputs, output, num_shards, beam_args)
-    config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-    started = time.monotonic()
-    with beam.Pipeline(options=options) as pipeline:
-        read = pipeline | "ReadInputs" >> ReadRecords(inputs)
-        records_in = read[RECORDS] | "CountRecords" >> beam.combiners.Count.Globally()
-        unreadable_in = read[DEAD] | "CountUnreadable" >> beam.combiners.Count.Globally()
-        total_in = (
-            (records_in, unreadable_in)
-            | "InCounts" >> beam.Flatten()
-            | "RecordsIn" >> beam.CombineGlobally(sum)
-        )
-        if raw_records:
-            built = build(read[RECORDS], config)
-            invalid = None
-        else:
-            parsed = read[RECORDS] | "Parse" >> ParseDocuments(stage)
-            built = build(parsed[RECORDS], config)
-            invalid = parsed[DEAD]
-        extra = built.extra
-        if extra is None:
-            extra = pipeline | "NoExtra" >> beam.Create([], reshuffle=False)
-        letters = [read[DEAD], built.dropped] + ([invalid] if invalid is not None else [])
-        dead = letters | "AllDead" >> beam.Flatten()
-        shards = write_documents(built.kept, output, num_shards)
-        dead_shards = write_dead_letters(dead, output, num_shards)
-        reasons = _count_reasons(dead)
-        (
-            pipeline
-            | "Once" >> beam.Create([None])
-            | "Manifest"
-            >> beam.Map(
-                _write_manifest,
-                output,
-                stage,
-                config_dict,
-                list(inputs),
-                beam.pvalue.AsSingleton(total_in),
-                beam.pvalue.AsDict(reasons),
-                beam.pvalue.AsList(shards),
-                beam.pvalue.AsList(dead_shards),
-                beam.pvalue.AsList(extra),
-            )
-        )
-    manifest = read_manifest(output)
-    seconds = time.monotonic() - started
-    log_finished(stage, manifest, seconds)
-    return StageRun(output, manifest, seconds)
+    """Run one document stage (:class:`DocumentShards`) and return its manifest."""
+    return run_pipeline(
+        stage,
+        DocumentShards(build, raw_records),
+        config,
+        inputs,
+        output,
+        num_shards=num_shards,
+        beam_args=beam_args,
+    )
 
 
 def setup_logging() -> None:
@@ -268,23 +353,16 @@ def stage_argument_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-class _Run(Protocol):
-    manifest: Manifest
-
-
-RunT = TypeVar("RunT", bound=_Run)
-
-
 def command_line(
     stage: str,
     description: str,
     config_type: type,
-    execute: Callable[[Any, argparse.Namespace, list[str]], RunT],
+    execute: Callable[[Any, argparse.Namespace, list[str]], StageRun],
     argv: Sequence[str] | None = None,
     *,
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
     apply_arguments: Callable[[Any, argparse.Namespace], Any] | None = None,
-) -> RunT:
+) -> StageRun:
     """The command line every stage shares; unknown flags are Beam pipeline options.
 
     ``add_arguments(parser)`` adds stage flags; ``apply_arguments(config, args)`` folds them
@@ -311,25 +389,25 @@ def stage_main(
     stage: str,
     description: str,
     config_type: type,
-    build: Build,
+    build: Build | OutputStrategy,
     argv: Sequence[str] | None = None,
     raw_records: bool = False,
     *,
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
     apply_arguments: Callable[[Any, argparse.Namespace], Any] | None = None,
 ) -> StageRun:
-    """Command-line entry of a document stage."""
+    """Command-line entry of a stage: a document stage's ``build``, or any output strategy."""
+    strategy = build if hasattr(build, "expand") else DocumentShards(build, raw_records)
 
     def execute(config: Any, args: argparse.Namespace, beam_args: list[str]) -> StageRun:
-        return run_stage(
+        return run_pipeline(
             stage,
-            build,
+            strategy,
             config,
             args.input,
             args.output,
             num_shards=args.num_shards,
             beam_args=beam_args,
-            raw_records=raw_records,
         )
 
     return command_line(

@@ -39,7 +39,6 @@ from pipelines.artifact_stage import (
     Accounting,
     ArtifactOutputs,
     ArtifactResult,
-    ArtifactRun,
     ArtifactTarget,
     artifact_main,
     run_artifact_stage,
@@ -56,7 +55,7 @@ from pipelines.beam_io import (
 from pipelines.configs import TokenizeConfig
 from pipelines.documents import DeadLetter, Document, dead_letter
 from pipelines.manifest import ShardInfo
-from pipelines.stage import StageError
+from pipelines.stage import StageError, StageRun
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +309,7 @@ def run(
     *,
     num_shards: int,
     beam_args: Sequence[str] = (),
-) -> ArtifactRun:
+) -> StageRun:
     """The stage as its command line runs it (the no-shuffle path when the inputs allow)."""
     return run_artifact_stage(
         STAGE,
@@ -325,7 +324,7 @@ def run(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> ArtifactRun:
+def main(argv: Sequence[str] | None = None) -> StageRun:
     return artifact_main(
         STAGE,
         KIND,

@@ -54,7 +54,6 @@ from pipelines.artifact_stage import (
     Accounting,
     ArtifactOutputs,
     ArtifactResult,
-    ArtifactRun,
     ArtifactTarget,
     artifact_main,
     file_info,
@@ -62,7 +61,7 @@ from pipelines.artifact_stage import (
 from pipelines.beam_io import stable_shard
 from pipelines.configs import TrainTokenizerConfig
 from pipelines.documents import Document
-from pipelines.stage import StageError
+from pipelines.stage import StageError, StageRun
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +330,7 @@ def build(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> ArtifactRun:
+def main(argv: Sequence[str] | None = None) -> StageRun:
     return artifact_main(STAGE, KIND, __doc__ or STAGE, TrainTokenizerConfig, build, argv)
 
 
