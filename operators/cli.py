@@ -7,6 +7,9 @@
                                                back to its raw inputs
     slipway plan [--conf JSON|@FILE]           dry run: which steps a DAG run with this
                                                conf would run, skip (cache hit) or wait for
+    slipway sweep list [--db URL]              the scaling sweep's nights, newest first
+    slipway sweep show RUN_ID                  one night: grid, fits, forecasts, checks
+    slipway sweep forecasts [--db URL]         every forecast against its outcome, by night
 
 The database is ``--db``, else :func:`operators.lineage.lineage_url` (the resolver the
 operators, the listener and the run summary use too): ``$SLIPWAY_LINEAGE_DB``, else
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +47,16 @@ def _parser() -> argparse.ArgumentParser:
         "--version",
         default=None,
         help="which version of the artifact (a content id or step version; default: the latest)",
+    )
+
+    sweep = commands.add_parser("sweep", help="the nightly scaling sweep's records")
+    sweep.add_argument("--db", default=None, help=argparse.SUPPRESS)
+    sweep_actions = sweep.add_subparsers(dest="action", required=True)
+    sweep_actions.add_parser("list", parents=[db], help="the sweep's nights, newest first")
+    sweep_show = sweep_actions.add_parser("show", help="one night: grid, fits, forecasts")
+    sweep_show.add_argument("run_id")
+    sweep_actions.add_parser(
+        "forecasts", parents=[db], help="every forecast against its outcome, oldest first"
     )
 
     plan = commands.add_parser(
@@ -81,21 +95,45 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lineage(args: argparse.Namespace) -> int:
+def _open_store(args: argparse.Namespace) -> Any:
+    """The lineage store, or None after saying why it cannot be opened."""
     from sqlalchemy.exc import OperationalError
 
-    from operators.lineage import render
     from operators.lineage.store import LineageStore, NotFound
     from operators.lineage.url import LineageConfigError, lineage_url, redacted
 
     try:
         url = args.db or lineage_url()
-        store = LineageStore(url, create=False)
+        return LineageStore(url, create=False)
     except (NotFound, LineageConfigError) as exc:
         print(f"slipway: {exc.args[0]}", file=sys.stderr)
-        return 1
     except OperationalError as exc:  # unreachable server, bad credentials
         print(f"slipway: cannot open {redacted(url)}: {exc.orig}", file=sys.stderr)
+    return None
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from operators.sweep import report
+
+    if args.action == "show":
+        record, checks = report.read_night(args.run_id)
+        print(report.render_night(args.run_id, record, checks))
+        return 0 if record is not None else 1
+    store = _open_store(args)
+    if store is None:
+        return 1
+    with store:
+        runs = store.runs()
+    print(report.render_nights(runs) if args.action == "list" else report.render_forecasts(runs))
+    return 0
+
+
+def _lineage(args: argparse.Namespace) -> int:
+    from operators.lineage import render
+    from operators.lineage.store import NotFound
+
+    store = _open_store(args)
+    if store is None:
         return 1
     with store:
         try:
@@ -117,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _lineage(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "sweep":
+        return _sweep(args)
     raise AssertionError(args.command)  # argparse refuses unknown commands first
 
 

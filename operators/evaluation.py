@@ -25,7 +25,7 @@ from operators.launching import (
     write_json,
 )
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
-from operators.steps import StepResult, StepSpec, join, output_path
+from operators.steps import Step, StepResult, StepSpec, join, output_path
 from trainer.rundir import last_checkpoint
 from trainer.rundir import read_json as _read_json
 
@@ -40,9 +40,13 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         super().__init__(**kwargs)
         self._jobset: JobSetRunner | None = None
 
+    def evaluate_step(self, context: Mapping[str, Any]) -> Step:
+        """The step this task runs: the pipeline's ``evaluate`` (a sweep cell overrides it)."""
+        return self.step_graph(context).evaluate
+
     def planned_io(self, context: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         root = self.steps_root()
-        step = self.step_graph(context).evaluate
+        step = self.evaluate_step(context)
         inputs = [resolve_uri(step.config["train"], root)]
         inputs += [resolve_uri(v, root) for v in step.config["stores"].values()]
         return inputs, [output_path(root, step)]
@@ -52,7 +56,7 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         from operators.pipeline.graph import TOKEN_STORE, TOKENIZER
 
         params = self.run_params(context)
-        step = self.step_graph(context).evaluate
+        step = self.evaluate_step(context)
         inputs = [
             ArtifactRef(step.config["train"], ArtifactType.MODEL, role="trained_run"),
             ArtifactRef(step.config["tokenizer"], TOKENIZER, role="tokenizer"),

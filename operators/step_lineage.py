@@ -175,8 +175,11 @@ class StepLineageMixin:
 
     @staticmethod
     def run_params(context: Mapping[str, Any]) -> dict[str, Any]:
+        """The run's params, any pipeline field its DAG's form leaves out at its default."""
+        from operators.pipeline.form import with_defaults
+
         params = context.get("params") or {}
-        return dict(params.items()) if hasattr(params, "items") else dict(params)
+        return with_defaults(dict(params.items()) if hasattr(params, "items") else dict(params))
 
     def step_graph(self, context: Mapping[str, Any]) -> Any:
         """The run's step graph (:func:`operators.pipeline.graph.graph_for_run`: from the form and the

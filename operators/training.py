@@ -144,7 +144,11 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         root = self.steps_root()
         graph = self.step_graph(context)
         inputs = [output_path(root, s) for s in graph.train_stores.values()]
-        return inputs, [output_path(root, graph.train)]
+        return inputs, [output_path(root, self.train_step(context))]
+
+    def train_step(self, context: Mapping[str, Any]) -> Step:
+        """The step this task trains: the pipeline's ``train`` (a sweep cell overrides it)."""
+        return self.step_graph(context).train
 
     @staticmethod
     def _inputs(step: Step) -> list[ArtifactRef]:
@@ -157,7 +161,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         params = self.run_params(context)
-        step = self.step_graph(context).train
+        step = self.train_step(context)
         if is_gke(step):
             return self._execute_gke(context, params, step)
         result = self.run_step(
@@ -390,7 +394,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     ) -> dict[str, Any]:
         """The trigger fired: record the step's end (SUCCESS/FAILED) and its lineage."""
         params = self.run_params(context)
-        step = self.step_graph(context).train
+        step = self.train_step(context)
         if follow is not None:
             return self._complete_follow(context, params, step, event, execution_id, follow)
         deferred = self._deferred(step)
@@ -481,7 +485,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         from operators.jobset import JobSetHandle
         from operators.triggers.lease import handle_file
 
-        deferred = self._deferred(self.step_graph(context).train)
+        deferred = self._deferred(self.train_step(context))
         saved = _read_json(handle_file(deferred.spec.output_path))
         try_number = getattr(context.get("ti"), "try_number", None)
         if (

@@ -32,16 +32,21 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.pipeline.form import check_run_config
-
         params = self.run_params(context)
         store = self.lineage_store()
         try:
             with store.recording("validate", run_id=context.get("run_id"), pipeline=self.dag_id):
-                check_run_config(
-                    params, connection_project=lambda: gcp_connection_project(self.gcp_conn_id)
-                )
+                self.check(params)
         finally:
             store.close()
         self.log.info("run form valid")
         return {"valid": True}
+
+    def check(self, params: dict[str, Any]) -> None:
+        """Raise ``RunConfigError`` listing every problem of the form (a DAG with more
+        fields adds its own checks)."""
+        from operators.pipeline.form import check_run_config
+
+        check_run_config(
+            params, connection_project=lambda: gcp_connection_project(self.gcp_conn_id)
+        )

@@ -255,6 +255,8 @@ class ParametricFit:
     cells: tuple[str, ...] = ()
     excluded: tuple[Exclusion, ...] = ()
     flops_per_param_token: float = 6.0  # C = k N D, for the compute-optimal split
+    # Parameters the optimum left at a bound of the search: these cells do not pin them down.
+    warnings: tuple[str, ...] = ()
 
     def __call__(self, params: float, tokens: float) -> float:
         return self.E + self.A / params**self.alpha + self.B / tokens**self.beta
@@ -368,6 +370,12 @@ def fit_parametric(
     if best is None:
         raise FitError("approach 3: no start converged to a finite loss")
     a, b, e, alpha, beta = (float(v) for v in best.x)
+    names = ("log A", "log B", "log E", "alpha", "beta")
+    warnings = tuple(
+        f"{name} = {value:.3g} is at its bound [{low}, {high}]: the cells do not constrain it"
+        for name, value, (low, high) in zip(names, best.x, BOUNDS, strict=True)
+        if min(abs(value - low), abs(value - high)) < 1e-6 * max(1.0, abs(value))
+    )
     return ParametricFit(
         E=math.exp(e),
         A=math.exp(a),
@@ -378,6 +386,7 @@ def fit_parametric(
         cells=tuple(c.key for c in kept),
         excluded=tuple(excluded),
         flops_per_param_token=flops_per_param_token,
+        warnings=warnings,
     )
 
 

@@ -11,7 +11,8 @@ and its grid task import them):
   and learning rate from DeepSeek LLM's fitted laws (B = 0.292 C^0.3271 tokens, lr = 0.3118
   C^-0.125), 10% warmup (at most 2000 steps), cosine decay, beta2 0.95;
 * ``marin-2025`` -- Marin's 2025 heuristics (``marin.scaling_laws.recipe``): depth from width
-  (``layers = round(h / (64 + 4 log2 h - 9))``), MLP 4h, 128-wide heads, a fixed number of
+  (``layers = round(h / (64 + 4 log2 h - 9))``, at least 1), MLP 4h, 128-wide heads
+  (one head below 128), widths from 16 in fine steps so that small sweeps have sizes, a fixed number of
   steps per run with the batch solved from the budget (a power of two), ``lr = 0.33 sqrt(B)/h``
   capped at 0.01 by halving the batch, ``beta2 = 0.98^(B/128)``, 10% warmup, linear decay to 0.
 
@@ -282,7 +283,7 @@ class ChinchillaDeepSeek(Recipe):
 
 @dataclass(frozen=True)
 class Marin2025(Recipe):
-    """Marin's 2025 heuristics, at the scales of this project's sweeps too (hidden from 64)."""
+    """Marin's 2025 heuristics, at the scales of this project's sweeps too (hidden from 16)."""
 
     name: str = "marin-2025"
     lr_constant: float = 0.33
@@ -292,8 +293,7 @@ class Marin2025(Recipe):
     warmup_fraction: float = 0.1
     mlp_ratio: int = 4
     head_dim: int = 128
-    hidden_step: int = 64
-    min_hidden: int = 64
+    min_hidden: int = 16
     max_hidden: int = 8192
     steps_per_run: int = 2000
     min_batch_size: int = 1
@@ -314,10 +314,21 @@ class Marin2025(Recipe):
             head_dim=head_dim,
         )
 
+    def hiddens(self) -> list[int]:
+        """The widths a run may have: steps of 8 below 64, 32 to 512, 64 to 2048, 128 above
+        (Marin steps by 128 or 256 from 512; the finer rungs give a laptop-sized sweep sizes
+        to fit a curve through)."""
+        ladder = [
+            *range(16, 64, 8),
+            *range(64, 512, 32),
+            *range(512, 2048, 64),
+            *range(2048, 65536 + 1, 128),
+        ]
+        return [h for h in ladder if self.min_hidden <= h <= self.max_hidden]
+
     def model_for(self, target_params: float, vocab_size: int, seq_len: int) -> ModelConfig:
-        hiddens = range(self.min_hidden, self.max_hidden + 1, self.hidden_step)
         return min(
-            (self.shape(h, vocab_size) for h in hiddens),
+            (self.shape(h, vocab_size) for h in self.hiddens()),
             key=lambda m: abs(math.log(non_embedding_params(m) / target_params)),
         )
 

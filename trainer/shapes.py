@@ -41,6 +41,11 @@ PRESETS: dict[str, Shape] = {
 }
 
 
+# Dense bf16 peak FLOP/s per chip (public TPU specs), by the launch catalogue's accelerator
+# name: MFU where the config does not say, and a sweep's time estimate before launch.
+CHIP_PEAK_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+
+
 def param_count(cfg: ModelConfig) -> int:
     """Exact number of parameters of ``Transformer(cfg)`` (tested against the real pytree)."""
     d, hd, L = cfg.hidden_dim, cfg.head_dim, cfg.num_layers

@@ -50,12 +50,18 @@ from trainer.config import (
 from trainer.data import MixtureLoader
 from trainer.model import Batch, Transformer, jit_document_batch
 from trainer.optim import make_optimizer, schedule
-from trainer.shapes import flops_per_token, param_count
+from trainer.shapes import CHIP_PEAK_FLOPS, flops_per_token, param_count
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_RESTART = 0, 1, 2, 42
 
-# bf16 dense peak per chip, for MFU when the config does not say (public TPU specs)
-TPU_PEAK_FLOPS = {"v4": 275e12, "v5 lite": 197e12, "v5e": 197e12, "v5p": 459e12, "v6": 918e12}
+# The chips' peaks by the words of their jax device_kind ("TPU v5 lite", "TPU v6 lite", ...).
+TPU_PEAK_FLOPS = {
+    "v4": CHIP_PEAK_FLOPS["v4"],
+    "v5 lite": CHIP_PEAK_FLOPS["v5e"],
+    "v5e": CHIP_PEAK_FLOPS["v5e"],
+    "v5p": CHIP_PEAK_FLOPS["v5p"],
+    "v6": CHIP_PEAK_FLOPS["v6e"],
+}
 
 
 class TrainState(eqx.Module):

@@ -346,6 +346,17 @@ def _form(platform: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def with_defaults(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with every pipeline field it lacks at its default: a DAG whose form leaves
+    some out (the scaling sweep's recipe decides the reference-run fields) runs the shared
+    tasks on the same values as a pipeline run with those defaults."""
+    out = dict(params)
+    for name, spec in form_fields().items():
+        if name not in out:
+            out[name] = copy.deepcopy(spec["default"])
+    return out
+
+
 class RunConfigError(ValueError):
     """A run form whose fields are each valid but do not fit together."""
 

@@ -9,9 +9,9 @@ only imports under ``if TYPE_CHECKING:`` are left out. The rules:
 - ``tokenstore/`` imports TensorStore, NumPy, fsspec and the standard library only;
 - ``operators/`` imports of ``pipelines`` and ``trainer`` only their Beam- and JAX-free
   contract: the stage configs, the manifest and corpora fetcher of the data plane, the
-  trainer's config, shapes and run directory;
+  trainer's config, shapes, run directory, scaling recipes and fits;
 - the Airflow-free core of ``operators/`` (step model, lineage, launch, naming, policy,
-  Dataflow settings, pipeline definition) imports no Airflow;
+  Dataflow settings, pipeline definition, the sweep's form, grid and fits) imports no Airflow;
 - no import cycle among the project's modules.
 """
 
@@ -35,11 +35,19 @@ OPERATORS_MAY_USE = {
         "pipelines.corpora.fetch",
         "pipelines.split",
     },
-    "trainer": {"trainer.config", "trainer.shapes", "trainer.rundir"},
+    "trainer": {
+        "trainer.config",
+        "trainer.shapes",
+        "trainer.rundir",
+        "trainer.scaling",
+        "trainer.recipes",
+        "trainer.fitting",
+    },
 }
 AIRFLOW_FREE = (
     "operators.steps",
     "operators.pipeline",
+    "operators.sweep",
     "operators.naming",
     "operators.policy",
     "operators.dataflow",

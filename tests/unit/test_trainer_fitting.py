@@ -52,7 +52,7 @@ def test_approach_3_recovers_the_law_and_forecasts_100x_past_the_fit(parametric)
     assert fit.alpha == pytest.approx(ALPHA, abs=0.03)
     assert fit.beta == pytest.approx(BETA, abs=0.03)
     assert pytest.approx(E, rel=0.05) == fit.E
-    assert len(fit.cells) == 35 and fit.excluded == ()
+    assert len(fit.cells) == 35 and fit.excluded == () and fit.warnings == ()
     # Delphi's test: a budget two orders of magnitude past the largest fitted one.
     c = 1e22
     forecast = fit.forecast(c)
@@ -146,3 +146,15 @@ def test_approach_3_refuses_too_few_cells():
     nan_sweep = [dataclasses.replace(c, metric=math.nan) for c in sweep()]
     with pytest.raises(FitError, match="diverged"):
         fit_parametric(nan_sweep)
+
+
+def test_approach_3_says_when_a_parameter_ends_at_its_bound():
+    # A size term steeper than the search allows (N^-4; alpha is searched up to 3).
+    cells = [
+        Cell(c, n, c / (6 * n), 2.0 + 1e16 / n**4 + 30 / (c / (6 * n)) ** 0.2)
+        for c in (1e12, 3e12)
+        for n in (1e4, 2e4, 4e4, 8e4)
+    ]
+    fit = fit_parametric(cells)
+    assert fit.alpha == pytest.approx(3.0)
+    assert fit.warnings == ("alpha = 3 is at its bound [0.01, 3.0]: the cells do not constrain it",)

@@ -1,0 +1,177 @@
+"""The scaling sweep's run form: the pipeline's data and launch fields, and the sweep's own.
+
+The sweep's cells take their shape, steps, batch and optimizer from the recipe, so the
+pipeline's reference-run fields (preset, steps, batch, learning rate, warmup, seed, fault
+injection at a step) are not in this form; the tasks the sweep shares with the pipeline see
+them at the pipeline's defaults (:func:`operators.pipeline.form.with_defaults`).
+
+Airflow-free: the DAG wraps these fields in Params, the ``validate`` task calls
+:func:`check_sweep_config`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from operators.pipeline.form import RunConfigError, field, form_fields
+
+# The pipeline's reference-run fields: the recipe decides these for every cell.
+REPLACED_BY_RECIPE = (
+    "model_preset",
+    "steps",
+    "batch_size",
+    "learning_rate",
+    "warmup_steps",
+    "seed",
+    "fail_at_step",
+)
+METRICS = ("loss", "bits_per_byte")
+MAX_CELLS = 256  # one night's grid; more is a typo in budgets or points
+RECIPE_NAMES = ("marin-2025", "chinchilla-deepseek")  # trainer/recipes.py (a test checks)
+
+_BUDGET = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e27}
+
+
+def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The sweep form, field -> {default, schema}: a tiny sweep that runs on two cores."""
+    fields = {k: v for k, v in form_fields(environ).items() if k not in REPLACED_BY_RECIPE}
+    fields.update(
+        {
+            "recipe": field(
+                "marin-2025",
+                type="string",
+                enum=list(RECIPE_NAMES),
+                title="Scaling recipe",
+                description="trainer/recipes.py: how a compute budget becomes a run (shape, "
+                "tokens, batch, learning rate, warmup, schedule, beta2).",
+            ),
+            "budgets": field(
+                [3e11, 1e12, 3e12],
+                type="array",
+                items=_BUDGET,
+                minItems=2,
+                maxItems=16,
+                title="Compute budgets (training FLOPs), increasing",
+            ),
+            "points": field(
+                4,
+                type="integer",
+                minimum=3,
+                maximum=16,
+                title="Model sizes per budget",
+                description="IsoFLOP points, log-spaced around the recipe's optimum (at least "
+                "3: a parabola needs three).",
+            ),
+            "spread": field(
+                4.0,
+                type="number",
+                minimum=1.5,
+                maximum=64,
+                title="IsoFLOP spread",
+                description="Sizes from N*/spread to N* x spread.",
+            ),
+            "steps_per_run": field(
+                200,
+                type="integer",
+                minimum=20,
+                maximum=1_000_000,
+                title="Steps per run (marin-2025)",
+                description="The recipe solves each run's batch for this many steps.",
+            ),
+            "seeds": field(
+                [0],
+                type="array",
+                items={"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+                minItems=1,
+                maxItems=8,
+                uniqueItems=True,
+                title="Seeds (one cell per seed)",
+            ),
+            "metric": field(
+                "loss",
+                type="string",
+                enum=list(METRICS),
+                title="Metric",
+                description="What the fits model: held-out loss (nats/token) or bits/byte, "
+                "averaged over the metric stores.",
+            ),
+            "metric_stores": field(
+                [],
+                type="array",
+                items={"type": "string", "pattern": r"^(heldout|eval)-[a-z0-9-]{1,64}$"},
+                uniqueItems=True,
+                title="Held-out stores of the metric",
+                description="e.g. heldout-brown; empty = every held-out store of the sources.",
+            ),
+            "forecast_budgets": field(
+                [3e13],
+                type="array",
+                items=_BUDGET,
+                minItems=1,
+                maxItems=4,
+                uniqueItems=True,
+                title="Forecast budgets (FLOPs)",
+                description="Each above the largest fitted budget: its compute-optimal run is "
+                "forecast (pre-registered), then trained and checked.",
+            ),
+            "fail_cells": field(
+                [],
+                type="array",
+                items={"type": "integer", "minimum": 0, "maximum": MAX_CELLS - 1},
+                uniqueItems=True,
+                title="Fault injection: cells to fail",
+                description="Grid indexes whose training is pre-empted at its first logged "
+                "step (local backend); a backfill or cleared task resumes and completes them.",
+            ),
+        }
+    )
+    return fields
+
+
+def metric_stores(params: Mapping[str, Any], known: list[str]) -> list[str]:
+    """The stores the metric averages: the form's, else every held-out store of the sources."""
+    chosen = list(params.get("metric_stores") or [])
+    return chosen or [k for k in known if k.startswith("heldout-")]
+
+
+def check_sweep_config(params: Mapping[str, Any], vocab_size: int) -> None:
+    """What the schema cannot say about a sweep, every problem at once, each naming its field.
+
+    ``vocab_size``: the tokenizer's (what the recipe's shapes are counted with).
+    """
+    from operators.sweep.grid import grid_for
+
+    problems: list[str] = []
+    budgets = list(params["budgets"])
+    if any(not math.isfinite(b) for b in budgets):
+        problems.append("budgets: every budget must be a finite number of FLOPs")
+    elif budgets != sorted(budgets) or len(set(budgets)) != len(budgets):
+        problems.append(f"budgets: must be strictly increasing, got {budgets}")
+    forecasts = list(params["forecast_budgets"])
+    if budgets and any(f <= max(budgets) for f in forecasts):
+        problems.append(
+            f"forecast_budgets: {sorted(f for f in forecasts if f <= max(budgets))} not above "
+            f"the largest fitted budget ({max(budgets):.3g}): a forecast extrapolates"
+        )
+    if not problems:
+        try:
+            cells = grid_for(params, vocab_size)
+        except ValueError as exc:  # RecipeError: a budget too small for the smallest shape
+            problems.append(f"budgets: {exc}")
+        else:
+            if len(cells) > MAX_CELLS:
+                problems.append(f"budgets/points/seeds: {len(cells)} cells, at most {MAX_CELLS}")
+            missing = [i for i in params.get("fail_cells") or [] if i >= len(cells)]
+            if missing:
+                problems.append(f"fail_cells: {missing} not in the grid's {len(cells)} cells")
+            for budget in budgets:
+                sizes = {c["plan"]["non_embedding_params"] for c in cells if c["budget"] == budget}
+                if len(sizes) < 3:
+                    problems.append(
+                        f"budgets: {budget:.3g} gives {len(sizes)} distinct model size(s) at "
+                        "this spread; a parabola needs 3 (raise points or spread)"
+                    )
+    if problems:
+        raise RunConfigError("invalid sweep configuration:\n  " + "\n  ".join(problems))

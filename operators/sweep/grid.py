@@ -1,0 +1,149 @@
+"""The sweep's grid: cells (a recipe's run per budget, size and seed) and each cell's steps.
+
+A cell is plain JSON (it travels through XCom to the mapped tasks):
+``{"index", "label", "budget", "seed", "recipe", "plan"}``, ``plan`` being
+:meth:`trainer.recipes.RunPlan.to_dict`. Its train step holds what the trainer runs -- the
+shape, steps, batch, length, seed, optimizer, and the pipeline's token stores with their
+mixture weights -- so a cell trained on an earlier night, or by another sweep with the same
+data, is a cache hit; the budget and the recipe that chose the run are not part of what ran
+(``unversioned``). Its evaluate step scores the final checkpoint on the metric's stores.
+
+The forecast runs are cells too (``kind: "forecast"``): the compute-optimal run of the recipe
+at each forecast budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from operators.steps import Step, output_of
+
+SHAPE_KEYS = (
+    "hidden_dim",
+    "intermediate_dim",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_embeddings",
+)
+
+
+def recipe_for(params: Mapping[str, Any]) -> Any:
+    """The form's recipe, with its steps per run where it has that knob (marin-2025)."""
+    import dataclasses
+
+    from trainer.recipes import get_recipe
+
+    recipe = get_recipe(params["recipe"])
+    if hasattr(recipe, "steps_per_run") and params.get("steps_per_run"):
+        recipe = dataclasses.replace(recipe, steps_per_run=int(params["steps_per_run"]))
+    return recipe
+
+
+def grid_for(params: Mapping[str, Any], vocab_size: int) -> list[dict[str, Any]]:
+    """Every cell of the night's grid, budgets then sizes then seeds, indexed in that order."""
+    recipe = recipe_for(params)
+    fail = set(params.get("fail_cells") or [])
+    cells: list[dict[str, Any]] = []
+    for budget in params["budgets"]:
+        plans = recipe.isoflop_grid(
+            float(budget),
+            int(params["points"]),
+            vocab_size=vocab_size,
+            seq_len=int(params["seq_len"]),
+            spread=float(params["spread"]),
+        )
+        for plan in plans:
+            for seed in params["seeds"]:
+                index = len(cells)
+                cells.append(
+                    {
+                        "kind": "grid",
+                        "index": index,
+                        "label": f"{plan.label} seed={seed}",
+                        "budget": float(budget),
+                        "seed": int(seed),
+                        "recipe": recipe.name,
+                        "plan": plan.to_dict(),
+                        "fail_at_step": 1 if index in fail else 0,
+                    }
+                )
+    return cells
+
+
+def forecast_cells(params: Mapping[str, Any], vocab_size: int) -> list[dict[str, Any]]:
+    """The compute-optimal run at each forecast budget (seed: the form's first)."""
+    recipe = recipe_for(params)
+    cells = []
+    for i, budget in enumerate(sorted(params["forecast_budgets"])):
+        plan = recipe.compute_config(
+            float(budget), vocab_size=vocab_size, seq_len=int(params["seq_len"])
+        )
+        cells.append(
+            {
+                "kind": "forecast",
+                "index": i,
+                "label": f"forecast {plan.label}",
+                "budget": float(budget),
+                "seed": int(params["seeds"][0]),
+                "recipe": recipe.name,
+                "plan": plan.to_dict(),
+                "fail_at_step": 0,
+            }
+        )
+    return cells
+
+
+def cell_slug(cell: Mapping[str, Any]) -> str:
+    plan = cell["plan"]
+    return f"C{cell['budget']:.0e}-N{plan['non_embedding_params']}-s{cell['seed']}".replace("+", "")
+
+
+def cell_train_step(cell: Mapping[str, Any], graph: Any) -> Step:
+    """The cell's train step, on the run's token stores (``graph``: the pipeline's graph)."""
+    plan = cell["plan"]
+    model = {k: plan["model"][k] for k in SHAPE_KEYS}
+    model["vocab_size"] = 0  # the token store's: what the recipe counted with, exactly
+    config = {
+        "model": model,
+        "steps": int(plan["steps"]),
+        "batch_size": int(plan["batch_size"]),
+        "seq_len": int(plan["seq_len"]),
+        "seed": int(cell["seed"]),
+        "optimizer": {
+            "learning_rate": float(plan["learning_rate"]),
+            "warmup_steps": int(plan["warmup_steps"]),
+            "decay": plan["decay"],
+            "min_lr_ratio": float(plan["min_lr_ratio"]),
+            "beta2": float(plan["beta2"]),
+        },
+        "sources": graph.train.config["sources"],
+    }
+    unversioned = {
+        **graph.train.unversioned,
+        "fail_at_step": int(cell.get("fail_at_step") or 0),
+        "budget": cell["budget"],
+        "recipe": cell["recipe"],
+        "label": cell["label"],
+    }
+    return Step(f"sweep/train/{cell_slug(cell)}", config, unversioned=unversioned)
+
+
+def cell_evaluate_step(
+    cell: Mapping[str, Any], graph: Any, stores: list[str], max_tokens: int
+) -> Step:
+    """The cell's evaluate step: its final checkpoint on the metric's ``stores``."""
+    train = cell_train_step(cell, graph)
+    pipeline_eval = graph.evaluate.config
+    return Step(
+        f"sweep/evaluate/{cell_slug(cell)}",
+        {
+            "train": output_of(train),
+            "stores": {k: pipeline_eval["stores"][k] for k in stores},
+            "tokenizer": pipeline_eval["tokenizer"],
+            "max_tokens": int(max_tokens),
+        },
+        unversioned=dict(graph.evaluate.unversioned),
+    )

@@ -1,0 +1,188 @@
+"""What a sweep's cells reached, the fits through them, the pre-registered forecasts, the check.
+
+* :func:`cell_outcome` -- one cell's metric from its evaluate step's status marker (SUCCESS),
+  or why it has none (the train or the evaluation failed, or never ran);
+* :func:`fit_record` -- both fits (:mod:`trainer.fitting`), each with the cells it used and the
+  ones it left out with their reason, bootstrap intervals, and the forecasts at the forecast
+  budgets; a fit that cannot be made is recorded with its reason instead;
+* :func:`preregister` -- a forecast written once, content-addressed
+  (``{root}/sweep/forecasts/<sha256>.json``), before its run trains: a later night never
+  overwrites it (a create that finds the file leaves it as it was);
+* :func:`check_forecast` -- the outcome against the pre-registered prediction: relative error
+  and whether it fell inside the interval.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from operators.steps import Status, Step, join, probe
+from operators.steps.store import store_for
+
+BOOTSTRAP_SAMPLES = 100
+FORECASTS = "sweep/forecasts"  # below the steps root: one immutable file per forecast
+
+
+def cell_metric(result: Mapping[str, Any], stores: Sequence[str], metric: str) -> float | None:
+    """The metric averaged over ``stores`` from an evaluate step's result, or None."""
+    values = [(result.get("results") or {}).get(s, {}).get(metric) for s in stores]
+    if not values or any(v is None for v in values):
+        return None
+    return float(sum(values) / len(values))
+
+
+def cell_outcome(
+    root: str,
+    cell: Mapping[str, Any],
+    train: Step,
+    evaluate: Step,
+    stores: Sequence[str],
+    metric: str,
+) -> dict[str, Any]:
+    """``{"cell", "label", "budget", "params", "tokens", "metric", "reason", "steps"}``."""
+    plan = cell["plan"]
+    out: dict[str, Any] = {
+        "index": cell["index"],
+        "label": cell["label"],
+        "budget": cell["budget"],
+        "params": plan["non_embedding_params"],
+        "tokens": plan["tokens"],
+        "metric": None,
+        "reason": None,
+        "steps": {"train": train.key, "evaluate": evaluate.key},
+    }
+    trained = probe(root, train).status
+    if trained is None or trained.status is not Status.SUCCESS:
+        # Its evaluation may have scored a pre-emption checkpoint: not the cell's run.
+        state = "never ran" if trained is None else f"{trained.status}: {trained.error}"
+        out["reason"] = f"training {state}"
+        return out
+    evaluated = probe(root, evaluate).status
+    if evaluated is None or evaluated.status is not Status.SUCCESS:
+        state = "never ran" if evaluated is None else f"{evaluated.status}: {evaluated.error}"
+        out["reason"] = f"evaluation {state}"
+        return out
+    out["metric"] = cell_metric(evaluated.result or {}, stores, metric)
+    if out["metric"] is None:
+        out["reason"] = f"evaluation has no {metric} for every store of {list(stores)}"
+    elif not math.isfinite(out["metric"]):
+        out["reason"] = f"{metric} is {out['metric']}: the run diverged"
+    return out
+
+
+def fit_record(
+    outcomes: Sequence[Mapping[str, Any]], forecast_budgets: Sequence[float], seed: int = 0
+) -> dict[str, Any]:
+    """Both fits of the outcomes, with intervals and forecasts (see the module docstring)."""
+    from trainer.fitting import Cell, FitError, bootstrap, fit_isoflop, fit_parametric
+
+    cells = [
+        Cell(o["budget"], o["params"], o["tokens"], o["metric"], name=o["label"]) for o in outcomes
+    ]
+    reasons = {o["label"]: o["reason"] for o in outcomes if o["reason"]}
+    record: dict[str, Any] = {"cells": list(outcomes), "fits": {}}
+    for name, fit, make_boot in (
+        ("isoflop", fit_isoflop, lambda f: fit_isoflop),
+        (
+            "parametric",
+            fit_parametric,
+            lambda f: functools.partial(fit_parametric, starts=[f.start()]),
+        ),
+    ):
+        try:
+            point = fit(cells)
+            boot = bootstrap(
+                make_boot(point),
+                cells,
+                forecast_budgets=list(forecast_budgets),
+                samples=BOOTSTRAP_SAMPLES,
+                seed=seed,
+            )
+        except FitError as exc:
+            record["fits"][name] = {"error": str(exc)}
+            continue
+        excluded = [
+            {"cell": e.cell, "reason": reasons.get(e.cell) or e.reason} for e in point.excluded
+        ]
+        record["fits"][name] = {
+            **point.to_dict(),
+            "excluded": excluded,
+            "intervals": {k: vars(v) for k, v in boot.quantities.items()},
+            "forecasts": {
+                f"{b:.6g}": {k: vars(v) for k, v in per.items()}
+                for b, per in boot.forecasts.items()
+            },
+            "bootstrap": {"samples": boot.samples, "failed": boot.failed, "seed": boot.seed},
+        }
+    return record
+
+
+def forecast_from(record: Mapping[str, Any], budget: float) -> dict[str, Any] | None:
+    """The prediction at ``budget``: approach 3's metric where it fitted (it has the
+    irreducible loss), else approach 2's; None when neither fitted."""
+    for name in ("parametric", "isoflop"):
+        fit = record["fits"].get(name) or {}
+        if "error" in fit or not fit:
+            continue
+        predicted = fit["forecasts"][f"{budget:.6g}"]
+        return {"fit": name, **predicted}
+    return None
+
+
+def preregister(root: str, body: Mapping[str, Any]) -> tuple[str, str, bool]:
+    """Write a forecast once; (path, sha256, created). Its name is its content's hash, so the
+    same prediction is the same file, and nothing ever replaces one."""
+    data = json.dumps({**body}, indent=2, sort_keys=True).encode() + b"\n"
+    digest = hashlib.sha256(data).hexdigest()
+    path = join(root, FORECASTS, f"{digest}.json")
+    store = store_for(root)
+    store.makedirs(join(root, FORECASTS))
+    created = store.create(path, data)
+    return path, digest, created
+
+
+def forecast_body(
+    run_id: str,
+    cell: Mapping[str, Any],
+    train: Step,
+    prediction: Mapping[str, Any],
+    record: Mapping[str, Any],
+    metric: str,
+) -> dict[str, Any]:
+    """What a pre-registration holds: the budget, the run, the prediction, the fit's inputs."""
+    used = [
+        {"label": o["label"], "steps": o["steps"], "metric": o["metric"]}
+        for o in record["cells"]
+        if o["metric"] is not None
+    ]
+    return {
+        "registered_at": time.time(),
+        "run_id": run_id,
+        "budget": cell["budget"],
+        "metric": metric,
+        "config": cell["plan"],
+        "train_step": train.key,
+        "predicted": dict(prediction),
+        "fit_inputs": used,
+    }
+
+
+def check_forecast(forecast: Mapping[str, Any], outcome: float | None) -> dict[str, Any]:
+    """The outcome against its pre-registered prediction."""
+    predicted = forecast["predicted"]["metric"]
+    if outcome is None or not math.isfinite(outcome):
+        return {"outcome": outcome, "checked": False, "reason": "the forecast run has no metric"}
+    return {
+        "outcome": outcome,
+        "checked": True,
+        "predicted": predicted["estimate"],
+        "relative_error": (outcome - predicted["estimate"]) / outcome,
+        "inside_interval": predicted["low"] <= outcome <= predicted["high"],
+        "interval": [predicted["low"], predicted["high"]],
+    }

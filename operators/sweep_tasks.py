@@ -1,0 +1,374 @@
+"""The scaling sweep's Airflow tasks (the DAG is ``dags/slipway_scaling_sweep.py``).
+
+* :class:`ValidateSweepOperator` -- the pipeline's checks and the sweep's
+  (:func:`operators.sweep.form.check_sweep_config`), before anything is read;
+* :class:`PlanGridOperator` (``grid``) -- the night's cells from the recipe, with each one's
+  FLOPs (and accelerator time, where the accelerator's peak is known) estimated before launch;
+  returns them for the mapped tasks (``expand_kwargs``);
+* :class:`CellTrainingOperator` / :class:`CellEvaluationOperator` -- one cell's train and
+  evaluate steps: the pipeline's training and evaluation operators (the same JobSet launch,
+  local or GKE) on the cell's content-addressed steps, so a cell trained on an earlier night
+  is a cache hit;
+* :class:`FitSweepOperator` (``fit``, whatever the cells did) -- both fits through the cells
+  that reached a metric, the others listed with their reason, then the forecasts
+  pre-registered (immutable, hashed) before the forecast runs train;
+* :class:`CheckForecastOperator` (``check``) -- each forecast run's outcome against its
+  pre-registration.
+
+Each records its execution in lineage (pipeline = the DAG id).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators.evaluation import EvaluationOperator
+from operators.step_lineage import StepLineageMixin
+from operators.steps import Step, join
+from operators.training import TrainingOperator
+from operators.validate import ValidateRunOperator
+
+GRID_TASK, FORECAST_TASK = "grid", "fit"
+SWEEP_RESULT = "sweep.json"  # in the run's folder: the night's grid, fits and forecasts
+
+
+def tokenizer_vocab(graph: Any, root: str) -> int:
+    """The trained tokenizer's vocabulary (its stage manifest), what the recipe counts with."""
+    from operators.pipeline.graph import STAGE_OUT
+    from operators.steps import output_path
+    from pipelines.manifest import read_manifest
+
+    (tok,) = graph.stages["train_tokenizer"]
+    manifest = read_manifest(join(output_path(root, tok.step), STAGE_OUT))
+    return int(manifest.extra["vocab_size"])
+
+
+def form_vocab(params: Mapping[str, Any]) -> int:
+    """The vocabulary the form asks the tokenizer for (before it is trained)."""
+    return int(((params.get("stage_configs") or {}).get("train_tokenizer") or {})["vocab_size"])
+
+
+class ValidateSweepOperator(ValidateRunOperator):
+    def check(self, params: dict[str, Any]) -> None:
+        from operators.pipeline.form import RunConfigError
+        from operators.sweep.form import check_sweep_config
+
+        problems = []
+        for check in (super().check, lambda p: check_sweep_config(p, form_vocab(p))):
+            try:
+                check(params)
+            except RunConfigError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise RunConfigError("\n".join(problems))
+
+
+class PlanGridOperator(StepLineageMixin, BaseOperator):
+    """The grid and the forecast runs, as cells (see the module docstring)."""
+
+    ui_color = "#e0e0ff"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("task_id", GRID_TASK)
+        super().__init__(**kwargs)
+
+    def execute(self, context: Any) -> list[dict[str, Any]]:
+        from operators.jobset.catalogue import resolve
+        from operators.sweep.grid import grid_for
+        from trainer.shapes import CHIP_PEAK_FLOPS
+
+        params = self.run_params(context)
+        graph = self.step_graph(context)
+        vocab = tokenizer_vocab(graph, self.steps_root())
+        cells = grid_for(params, vocab)
+        shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
+        chip = CHIP_PEAK_FLOPS.get(params["accelerator"])
+        peak = chip * shape.total_chips if chip else None  # None: CPU, or a chip not listed
+        for cell in cells:
+            estimate = {"flops": cell["plan"]["flops"]}
+            if peak:
+                from trainer.recipes import DEFAULT_MFU
+
+                estimate["seconds"] = cell["plan"]["flops"] / (peak * DEFAULT_MFU)
+                estimate["mfu_assumed"] = DEFAULT_MFU
+            cell["estimate"] = estimate
+        total = sum(c["plan"]["flops"] for c in cells)
+        self.log.info(
+            "%d cells (%s, vocab %d), %.3g training FLOPs in all:\n%s",
+            len(cells),
+            params["recipe"],
+            vocab,
+            total,
+            "\n".join(
+                f"  [{c['index']}] {c['label']}: hidden {c['plan']['model']['hidden_dim']} x "
+                f"{c['plan']['model']['num_layers']} layers, {c['plan']['steps']} steps of "
+                f"{c['plan']['batch_size']} x {c['plan']['seq_len']}"
+                for c in cells
+            ),
+        )
+        store = self.lineage_store()
+        try:
+            with store.recording(
+                "grid",
+                run_id=context.get("run_id"),
+                pipeline=self.dag_id,
+                properties={"cells": cells, "flops": total, "vocab_size": vocab},
+            ):
+                pass
+        finally:
+            store.close()
+        return [{"cell": cell} for cell in cells]
+
+
+class _CellMixin:
+    """A mapped task's cell (``expand_kwargs``): what its label and steps come from."""
+
+    cell: dict[str, Any]
+
+    def cell_steps(self, context: Mapping[str, Any]) -> tuple[Step, Step]:
+        from operators.sweep.form import metric_stores
+        from operators.sweep.grid import cell_evaluate_step, cell_train_step
+
+        params = self.run_params(context)  # type: ignore[attr-defined]
+        graph = self.step_graph(context)  # type: ignore[attr-defined]
+        stores = metric_stores(params, list(graph.eval_stores))
+        return (
+            cell_train_step(self.cell, graph),
+            cell_evaluate_step(self.cell, graph, stores, int(params["eval_max_tokens"])),
+        )
+
+
+class CellTrainingOperator(_CellMixin, TrainingOperator):
+    """One cell's training (``cell``: a grid or forecast cell)."""
+
+    template_fields = ()
+
+    def __init__(self, *, cell: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cell = dict(cell or {})
+
+    def train_step(self, context: Mapping[str, Any]) -> Step:
+        return self.cell_steps(context)[0]
+
+
+class CellEvaluationOperator(_CellMixin, EvaluationOperator):
+    """One cell's evaluation on the metric's stores."""
+
+    template_fields = ()
+
+    def __init__(self, *, cell: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cell = dict(cell or {})
+
+    def evaluate_step(self, context: Mapping[str, Any]) -> Step:
+        return self.cell_steps(context)[1]
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        from operators.steps import Status, probe
+
+        train = self.cell_steps(context)[0]
+        trained = probe(self.steps_root(), train).status
+        if trained is None or trained.status is not Status.SUCCESS:
+            # A pre-empted cell leaves a checkpoint: scoring it would pass off a partial run.
+            from operators.launching import TrainingFailed
+
+            state = "never ran" if trained is None else f"{trained.status}: {trained.error}"
+            raise TrainingFailed(f"cell {self.cell['label']}: training {state}; not evaluated")
+        return super().execute(context)
+
+
+def _outcomes(
+    operator: StepLineageMixin, context: Mapping[str, Any], cells: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    from operators.sweep.form import metric_stores
+    from operators.sweep.grid import cell_evaluate_step, cell_train_step
+    from operators.sweep.outcomes import cell_outcome
+
+    params = operator.run_params(context)
+    graph = operator.step_graph(context)
+    stores = metric_stores(params, list(graph.eval_stores))
+    return [
+        cell_outcome(
+            operator.steps_root(),
+            cell,
+            cell_train_step(cell, graph),
+            cell_evaluate_step(cell, graph, stores, int(params["eval_max_tokens"])),
+            stores,
+            params["metric"],
+        )
+        for cell in cells
+    ]
+
+
+class FitSweepOperator(StepLineageMixin, BaseOperator):
+    """Fit the night's cells, then pre-register the forecasts (module docstring)."""
+
+    ui_color = "#ffe8c0"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("task_id", FORECAST_TASK)
+        kwargs.setdefault("trigger_rule", "all_done")  # failed cells must not stop the fit
+        super().__init__(**kwargs)
+
+    def execute(self, context: Any) -> list[dict[str, Any]]:
+        """Returns the forecast runs' cells, for the mapped forecast tasks."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from operators.settings import write_run_file
+        from operators.sweep.grid import cell_train_step, forecast_cells
+        from operators.sweep.outcomes import (
+            fit_record,
+            forecast_body,
+            forecast_from,
+            preregister,
+        )
+
+        params = self.run_params(context)
+        graph = self.step_graph(context)
+        root = self.steps_root()
+        cells = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK)]
+        outcomes = _outcomes(self, context, cells)
+        for o in outcomes:
+            if o["reason"]:
+                self.log.warning("cell [%d] %s left out: %s", o["index"], o["label"], o["reason"])
+        record = fit_record(outcomes, params["forecast_budgets"], seed=int(params["seeds"][0]))
+        vocab = tokenizer_vocab(graph, root)
+        forecasts = []
+        for cell in forecast_cells(params, vocab):
+            prediction = forecast_from(record, cell["budget"])
+            if prediction is None:
+                continue
+            train = cell_train_step(cell, graph)
+            body = forecast_body(
+                context.get("run_id"), cell, train, prediction, record, params["metric"]
+            )
+            path, digest, created = preregister(root, body)
+            forecasts.append({"cell": cell, "path": path, "sha256": digest, "new": created})
+            self.log.info(
+                "forecast at %.3g FLOPs (%s fit): %s %.4f [%.4f, %.4f], pre-registered %s",
+                cell["budget"],
+                prediction["fit"],
+                params["metric"],
+                prediction["metric"]["estimate"],
+                prediction["metric"]["low"],
+                prediction["metric"]["high"],
+                path,
+            )
+        record["forecasts"] = forecasts
+        write_run_file(context.get("run_id"), SWEEP_RESULT, record)
+        self._record(context, record, forecasts)
+        for name, fit in record["fits"].items():
+            if "error" in fit:
+                self.log.warning("%s fit: %s", name, fit["error"])
+        if not forecasts:
+            errors = "; ".join(f"{n}: {f['error']}" for n, f in record["fits"].items())
+            raise AirflowFailException(f"no fit could be made: {errors}")
+        return [{"cell": f["cell"]} for f in forecasts]
+
+    def _record(
+        self, context: Any, record: Mapping[str, Any], forecasts: list[dict[str, Any]]
+    ) -> None:
+        store = self.lineage_store()
+        try:
+            with store.recording(
+                "fit",
+                run_id=context.get("run_id"),
+                pipeline=self.dag_id,
+                properties={
+                    "fits": {
+                        k: {kk: vv for kk, vv in v.items() if kk != "optima"}
+                        for k, v in record["fits"].items()
+                    },
+                    "left_out": [
+                        {"label": o["label"], "reason": o["reason"]}
+                        for o in record["cells"]
+                        if o["reason"]
+                    ],
+                },
+            ) as execution:
+                for f in forecasts:
+                    store.record_output(
+                        execution,
+                        f["path"],
+                        "forecast",
+                        role=f"forecast:{f['cell']['budget']:.3g}",
+                        content_hash=f["sha256"],
+                    )
+        finally:
+            store.close()
+
+
+class CheckForecastOperator(StepLineageMixin, BaseOperator):
+    """Each forecast run's outcome against its pre-registered prediction."""
+
+    ui_color = "#c0ffc8"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("task_id", "check")
+        kwargs.setdefault("trigger_rule", "all_done")
+        super().__init__(**kwargs)
+
+    def execute(self, context: Any) -> list[dict[str, Any]]:
+        from operators.settings import run_folder, write_run_file
+        from operators.sweep.outcomes import check_forecast
+        from trainer.rundir import read_json
+
+        record = read_json(join(run_folder(context.get("run_id")), SWEEP_RESULT)) or {}
+        forecasts = record.get("forecasts") or []
+        outcomes = _outcomes(self, context, [f["cell"] for f in forecasts])
+        checks: list[dict[str, Any]] = []
+        store = self.lineage_store()
+        try:
+            execution = store.start_execution(
+                "check", run_id=context.get("run_id"), pipeline=self.dag_id
+            )
+            try:
+                for forecast, outcome in zip(forecasts, outcomes, strict=True):
+                    registered = read_json(forecast["path"])
+                    check = {
+                        "budget": forecast["cell"]["budget"],
+                        "forecast": forecast["path"],
+                        "sha256": forecast["sha256"],
+                        **check_forecast(registered, outcome["metric"]),
+                    }
+                    if outcome["reason"]:
+                        check["reason"] = outcome["reason"]
+                    checks.append(check)
+                    self.log.info("forecast check: %s", json.dumps(check, default=str))
+                    store.record_input(
+                        execution, forecast["path"], "forecast", content_hash=forecast["sha256"]
+                    )
+                write_run_file(context.get("run_id"), "forecast_checks.json", checks)
+                self._fail_if_incomplete(record)
+            except BaseException as exc:
+                store.finish_execution(
+                    execution, "FAILED", error=exc, properties={"checks": checks}
+                )
+                raise
+            store.finish_execution(execution, properties={"checks": checks})
+        finally:
+            store.close()
+        return checks
+
+    def _fail_if_incomplete(self, record: Mapping[str, Any]) -> None:
+        """As the DAG's leaf, fail a night that fitted around failed cells (or could not fit),
+        so that a backfill with ``reprocess_behavior=failed`` completes it."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        if not record.get("forecasts"):
+            fits = record.get("fits") or {}
+            raise AirflowFailException(
+                "no forecast this night: "
+                + ("; ".join(f"{n}: {f.get('error')}" for n, f in fits.items()) or "fit failed")
+            )
+        left_out = [o for o in record.get("cells") or [] if o.get("reason")]
+        if left_out:
+            raise AirflowFailException(
+                f"fitted without {len(left_out)} cell(s): "
+                + "; ".join(f"[{o['index']}] {o['label']}: {o['reason']}" for o in left_out)
+                + " -- a backfill (reprocess failed) or a cleared task reruns only those"
+            )

@@ -1,0 +1,223 @@
+"""The scaling sweep's core without Airflow: its form, its grid and steps, outcomes, fits,
+pre-registration and check."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from operators.pipeline.form import RunConfigError, check_value, with_defaults
+from operators.steps import StepRunner
+from operators.sweep.form import (
+    RECIPE_NAMES,
+    REPLACED_BY_RECIPE,
+    check_sweep_config,
+    sweep_form_fields,
+)
+from operators.sweep.grid import cell_evaluate_step, cell_train_step, forecast_cells, grid_for
+from operators.sweep.outcomes import (
+    cell_outcome,
+    check_forecast,
+    fit_record,
+    forecast_body,
+    forecast_from,
+    preregister,
+)
+from tests.support.tiny_pipeline import make_corpora, tiny_conf
+from trainer.recipes import RECIPES
+
+VOCAB = 2048
+
+
+def sweep_params(**overrides):
+    fields = sweep_form_fields()
+    params = {k: v["default"] for k, v in fields.items()}
+    params.update(overrides)
+    for name, spec in fields.items():
+        check_value(name, spec, params[name])
+    return with_defaults(params)
+
+
+def test_the_form_offers_every_recipe_and_leaves_the_reference_run_to_it():
+    fields = sweep_form_fields()
+    assert sorted(RECIPE_NAMES) == sorted(RECIPES)  # the form's list is the recipes'
+    assert fields["recipe"]["enum"] == list(RECIPE_NAMES)
+    assert not set(REPLACED_BY_RECIPE) & set(fields)
+    # ... the launch fields are the pipeline's, shared with slipway_pipeline
+    for name in ("accelerator", "topology", "slices", "backend", "image", "sources", "gke"):
+        assert name in fields
+    check_sweep_config(sweep_params(), VOCAB)  # the defaults are a valid sweep
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"budgets": [1e12, 3e11]}, "budgets: must be strictly increasing"),
+        ({"budgets": [1e12, 1e12]}, "budgets: must be strictly increasing"),
+        ({"budgets": [1e6, 1e12]}, r"budgets: .*gives \d+ steps"),
+        ({"forecast_budgets": [1e12]}, "forecast_budgets: .* not above the largest fitted"),
+        ({"fail_cells": [99]}, r"fail_cells: \[99\] not in the grid"),
+        ({"points": 3, "spread": 1.5}, "a parabola needs 3"),
+    ],
+)
+def test_bad_sweeps_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(RunConfigError, match=message):
+        check_sweep_config(sweep_params(**overrides), VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("recipe", "gpt-3"),
+        ("budgets", [1e12]),
+        ("budgets", [0, 1e12]),
+        ("points", 2),
+        ("seeds", [0, 0]),
+        ("metric", "accuracy"),
+        ("metric_stores", ["heldout-brown; rm -rf /"]),
+    ],
+)
+def test_the_schema_refuses_at_trigger_time(field, value):
+    with pytest.raises(RunConfigError, match=f"^{field}: "):
+        check_value(field, sweep_form_fields()[field], value)
+
+
+@pytest.fixture
+def graph(tmp_path):
+    from operators.pipeline.graph import build_graph
+
+    data = make_corpora(tmp_path / "data")
+    return build_graph(with_defaults(tiny_conf(data)))
+
+
+def test_cells_are_content_addressed_and_a_longer_sweep_keeps_earlier_cells(graph):
+    night1 = grid_for(sweep_params(), VOCAB)
+    assert [c["index"] for c in night1] == list(range(len(night1)))
+    assert len({c["label"] for c in night1}) == len(night1)
+    night2 = grid_for(sweep_params(budgets=[3e11, 1e12, 3e12, 1e13], seeds=[0]), VOCAB)
+    keys1 = {cell_train_step(c, graph).key for c in night1}
+    keys2 = {cell_train_step(c, graph).key for c in night2}
+    assert keys1 <= keys2 and len(keys2) > len(keys1)  # earlier cells: the same steps
+    step = cell_train_step(night1[0], graph)
+    # What ran is versioned; why it ran (budget, recipe, label) and how (backend) is not.
+    assert step.config["sources"] == graph.train.config["sources"]
+    assert step.config["model"]["vocab_size"] == 0  # the token store's
+    assert {"budget", "recipe", "label", "backend"} <= set(step.unversioned)
+    seeds = grid_for(sweep_params(seeds=[0, 1]), VOCAB)
+    assert len(seeds) == 2 * len(night1)
+    assert cell_train_step(seeds[0], graph).key != cell_train_step(seeds[1], graph).key
+
+
+def test_a_cell_trains_as_the_trainer_validates_and_evaluates_the_metric_stores(graph, tmp_path):
+    from operators.pipeline.graph import trainer_run_config
+    from operators.steps import resolve
+
+    (cell, *_) = grid_for(sweep_params(), VOCAB)
+    train = cell_train_step(cell, graph)
+    spec = resolve(train, str(tmp_path / "steps"))  # references to the stores made paths
+    config = trainer_run_config(spec.config, spec.output_path)  # the trainer's own checks
+    assert config["model"]["hidden_dim"] == cell["plan"]["model"]["hidden_dim"]
+    assert config["optimizer"]["beta2"] == cell["plan"]["beta2"]
+    assert config["optimizer"]["decay"] == "linear"
+    evaluate = cell_evaluate_step(cell, graph, ["heldout-brown"], 512)
+    assert list(evaluate.config["stores"]) == ["heldout-brown"]
+    assert evaluate.config["train"].step.key == train.key
+    (forecast,) = forecast_cells(sweep_params(), VOCAB)
+    assert forecast["kind"] == "forecast" and forecast["budget"] == 3e13
+
+
+def _outcomes(graph, root: str, metric_of) -> list[dict]:
+    """Cells whose evaluate steps ran (SUCCESS with ``metric_of(cell)``) or failed (None)."""
+    out = []
+    for cell in grid_for(sweep_params(), VOCAB):
+        train = cell_train_step(cell, graph)
+        evaluate = cell_evaluate_step(cell, graph, ["heldout-brown"], 512)
+        value = metric_of(cell)
+        runner = StepRunner(root)
+        runner.run(train, lambda spec: {"steps": 1})
+        if value is None:
+            with pytest.raises(RuntimeError):
+                runner.run(evaluate, _raise)
+        else:
+            runner.run(evaluate, lambda spec, v=value: {"results": {"heldout-brown": {"loss": v}}})
+        out.append(cell_outcome(root, cell, train, evaluate, ["heldout-brown"], "loss"))
+    return out
+
+
+def _raise(spec):
+    raise RuntimeError("evaluation JobSet Failed")
+
+
+def _chinchilla(cell) -> float:
+    p = cell["plan"]
+    return 1.69 + 406.4 / p["non_embedding_params"] ** 0.34 + 410.7 / p["tokens"] ** 0.28
+
+
+def test_outcomes_fits_and_a_failed_cell_left_out_with_its_reason(graph, tmp_path):
+    root = str(tmp_path / "steps")
+    outcomes = _outcomes(graph, root, lambda c: None if c["index"] == 1 else _chinchilla(c))
+    failed = outcomes[1]
+    assert failed["metric"] is None and "evaluation FAILED" in failed["reason"]
+    assert "evaluation JobSet Failed" in failed["reason"]
+    first = grid_for(sweep_params(), VOCAB)[0]
+    assert outcomes[0]["metric"] == pytest.approx(_chinchilla(first))
+    assert outcomes[0]["reason"] is None
+    record = fit_record(outcomes, [3e13])
+    assert set(record["fits"]) == {"isoflop", "parametric"}
+    iso = record["fits"]["isoflop"]
+    if "error" not in iso:
+        assert failed["label"] in {e["cell"] for e in iso["excluded"]}
+    par = record["fits"]["parametric"]
+    assert "error" not in par, par
+    assert {e["cell"] for e in par["excluded"]} == {failed["label"]}
+    prediction = forecast_from(record, 3e13)
+    assert prediction["fit"] == "parametric"
+    low, estimate, high = (prediction["metric"][k] for k in ("low", "estimate", "high"))
+    assert low <= estimate <= high and math.isfinite(estimate)
+
+
+def test_a_pre_registration_is_written_once_and_never_replaced(graph, tmp_path):
+    root = str(tmp_path / "steps")
+    (cell,) = forecast_cells(sweep_params(), VOCAB)
+    train = cell_train_step(cell, graph)
+    prediction = {"fit": "parametric", "metric": {"estimate": 3.0, "low": 2.9, "high": 3.1}}
+    record = {"cells": [{"label": "a", "steps": {}, "metric": 3.5}], "fits": {}}
+    body = forecast_body("night-1", cell, train, prediction, record, "loss")
+    path, digest, created = preregister(root, body)
+    assert created and Path(path).name == f"{digest}.json"
+    assert json.loads(Path(path).read_text())["train_step"] == train.key
+    before = Path(path).read_bytes()
+    again = preregister(root, body)
+    assert again == (path, digest, False) and Path(path).read_bytes() == before
+    later = preregister(root, {**body, "run_id": "night-2"})
+    assert later[0] != path and Path(path).read_bytes() == before
+
+    inside = check_forecast(json.loads(before), 3.05)
+    assert inside["checked"] and inside["inside_interval"]
+    assert inside["relative_error"] == pytest.approx((3.05 - 3.0) / 3.05)
+    outside = check_forecast(json.loads(before), 3.5)
+    assert not outside["inside_interval"]
+    assert check_forecast(json.loads(before), None) == {
+        "outcome": None,
+        "checked": False,
+        "reason": "the forecast run has no metric",
+    }
+
+
+def test_a_pre_empted_cell_is_left_out_even_if_its_checkpoint_was_scored(graph, tmp_path):
+    root = str(tmp_path / "steps")
+    (cell, *_) = grid_for(sweep_params(), VOCAB)
+    train = cell_train_step(cell, graph)
+    evaluate = cell_evaluate_step(cell, graph, ["heldout-brown"], 512)
+    runner = StepRunner(root)
+    with pytest.raises(RuntimeError):
+        runner.run(train, lambda spec: (_ for _ in ()).throw(RuntimeError("fault injection")))
+    runner.run(evaluate, lambda spec: {"results": {"heldout-brown": {"loss": 4.0}}})
+    outcome = cell_outcome(root, cell, train, evaluate, ["heldout-brown"], "loss")
+    assert outcome["metric"] is None
+    assert (
+        outcome["reason"].startswith("training FAILED") and "fault injection" in outcome["reason"]
+    )
