@@ -119,6 +119,7 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         try:
             launched = self._hook.run_module(f"pipelines.{stage_step.stage}", options)
         finally:
+            # Cleared after the hook has stopped what it ran (it kills on any exception).
             self._hook = None
         return {**describe_stage_output(out), **launched}
 

@@ -72,8 +72,11 @@ def write_run_file(run_id: str, name: str, body: Any) -> str:
 
 def run_folder(run_id: str) -> str:
     """One DAG run's own files (its resolved graph, its summary): ``{root}/runs/<run_id>``,
-    the run id with anything but letters, digits and ``-_.+`` replaced by ``_``."""
+    the run id with anything but letters, digits and ``-_.+`` replaced by ``_``, and a
+    leading dot too (a run id of ``..`` must not name the folder above)."""
     safe = "".join(c if c.isalnum() or c in "-_.+" else "_" for c in run_id)
+    if not safe or safe.startswith("."):
+        safe = "_" + safe
     root = storage_root()
     return f"{root.rstrip('/')}/runs/{safe}" if "://" in root else os.path.join(root, "runs", safe)
 

@@ -78,12 +78,15 @@ class PlanGridOperator(StepLineageMixin, BaseOperator):
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
         from operators.jobset.catalogue import resolve
+        from operators.sweep.form import check_sweep_config
         from operators.sweep.grid import grid_for
         from trainer.shapes import CHIP_PEAK_FLOPS
 
         params = self.run_params(context)
         graph = self.step_graph(context)
         vocab = tokenizer_vocab(graph, self.steps_root())
+        # validate checked with the vocabulary the form asked for; this is the trained one.
+        check_sweep_config(params, vocab)
         cells = grid_for(params, vocab)
         shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
         chip = CHIP_PEAK_FLOPS.get(params["accelerator"])
@@ -219,8 +222,10 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
         from airflow.sdk.exceptions import AirflowFailException
 
         from operators.settings import write_run_file
+        from operators.steps import Status, probe
         from operators.sweep.grid import cell_train_step, forecast_cells
         from operators.sweep.outcomes import (
+            find_registration,
             fit_record,
             forecast_body,
             forecast_from,
@@ -230,33 +235,59 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
         params = self.run_params(context)
         graph = self.step_graph(context)
         root = self.steps_root()
-        cells = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK)]
+        planned = context["ti"].xcom_pull(task_ids=GRID_TASK)
+        if not planned:
+            raise AirflowFailException("no grid to fit: the grid task did not run or planned none")
+        cells = [c["cell"] for c in planned]
         outcomes = _outcomes(self, context, cells)
         for o in outcomes:
             if o["reason"]:
                 self.log.warning("cell [%d] %s left out: %s", o["index"], o["label"], o["reason"])
-        record = fit_record(outcomes, params["forecast_budgets"], seed=int(params["seeds"][0]))
         vocab = tokenizer_vocab(graph, root)
+        runs = forecast_cells(params, vocab)
+        record = fit_record(
+            outcomes,
+            {c["budget"]: (c["plan"]["non_embedding_params"], c["plan"]["tokens"]) for c in runs},
+            seed=int(params["seeds"][0]),
+        )
         forecasts = []
-        for cell in forecast_cells(params, vocab):
+        for cell in runs:
+            train = cell_train_step(cell, graph)
+            earlier = find_registration(root, train.key)
+            if earlier is not None:
+                # Forecast before, on an earlier night (or try): that registration stands.
+                path, body = earlier
+                digest = path.rsplit("/", 1)[-1].removesuffix(".json")
+                forecasts.append({"cell": cell, "path": path, "sha256": digest, "new": False})
+                self.log.info(
+                    "forecast at %.3g FLOPs pre-registered by run %s (%s): kept",
+                    cell["budget"],
+                    body.get("run_id"),
+                    path,
+                )
+                continue
             prediction = forecast_from(record, cell["budget"])
             if prediction is None:
                 continue
-            train = cell_train_step(cell, graph)
+            trained = probe(root, train).status
             body = forecast_body(
                 context.get("run_id"), cell, train, prediction, record, params["metric"]
             )
+            if trained is not None and trained.status is Status.SUCCESS:
+                body["post_hoc"] = True  # its run trained before any forecast: not a test
             path, digest, created = preregister(root, body)
             forecasts.append({"cell": cell, "path": path, "sha256": digest, "new": created})
+            m = prediction["metric"]
             self.log.info(
-                "forecast at %.3g FLOPs (%s fit): %s %.4f [%.4f, %.4f], pre-registered %s",
+                "forecast at %.3g FLOPs (%s fit): %s %.4f [%s, %s], pre-registered %s%s",
                 cell["budget"],
                 prediction["fit"],
                 params["metric"],
-                prediction["metric"]["estimate"],
-                prediction["metric"]["low"],
-                prediction["metric"]["high"],
+                m["estimate"],
+                m["low"],
+                m["high"],
                 path,
+                "".join(f"; warning: {w}" for w in prediction["warnings"]),
             )
         record["forecasts"] = forecasts
         write_run_file(context.get("run_id"), SWEEP_RESULT, record)
@@ -343,7 +374,8 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                         execution, forecast["path"], "forecast", content_hash=forecast["sha256"]
                     )
                 write_run_file(context.get("run_id"), "forecast_checks.json", checks)
-                self._fail_if_incomplete(record)
+                grid = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
+                self._fail_if_incomplete(record, _outcomes(self, context, grid), checks)
             except BaseException as exc:
                 store.finish_execution(
                     execution, "FAILED", error=exc, properties={"checks": checks}
@@ -354,9 +386,15 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
             store.close()
         return checks
 
-    def _fail_if_incomplete(self, record: Mapping[str, Any]) -> None:
-        """As the DAG's leaf, fail a night that fitted around failed cells (or could not fit),
-        so that a backfill with ``reprocess_behavior=failed`` completes it."""
+    def _fail_if_incomplete(
+        self,
+        record: Mapping[str, Any],
+        grid: list[dict[str, Any]],
+        checks: list[dict[str, Any]],
+    ) -> None:
+        """As the DAG's leaf, fail a night with a failed cell (read again here: a cleared and
+        repaired cell counts as repaired), no forecast, or a forecast left unchecked, so that
+        a backfill with ``reprocess_behavior=failed`` completes it."""
         from airflow.sdk.exceptions import AirflowFailException
 
         if not record.get("forecasts"):
@@ -365,10 +403,16 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                 "no forecast this night: "
                 + ("; ".join(f"{n}: {f.get('error')}" for n, f in fits.items()) or "fit failed")
             )
-        left_out = [o for o in record.get("cells") or [] if o.get("reason")]
-        if left_out:
+        problems = [f"[{o['index']}] {o['label']}: {o['reason']}" for o in grid if o["reason"]]
+        problems += [
+            f"forecast at {c['budget']:.3g}: {c.get('reason') or 'not checked'}"
+            for c in checks
+            if not c.get("checked")
+        ]
+        if problems:
             raise AirflowFailException(
-                f"fitted without {len(left_out)} cell(s): "
-                + "; ".join(f"[{o['index']}] {o['label']}: {o['reason']}" for o in left_out)
-                + " -- a backfill (reprocess failed) or a cleared task reruns only those"
+                f"{len(problems)} cell(s) or forecast(s) incomplete: "
+                + "; ".join(problems)
+                + " -- a backfill (reprocess failed) or clearing them with their downstream "
+                "reruns only those"
             )

@@ -334,6 +334,9 @@ def setup_logging() -> None:
     if logging.getLogger().level > logging.INFO:
         logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    # Except the line DataflowRunner logs once the job exists ("Created job with id: [...]"):
+    # the Beam stage hook reads the job id from it, to follow and cancel the job.
+    logging.getLogger("apache_beam.runners.dataflow.internal.apiclient").setLevel(logging.INFO)
 
 
 def stage_argument_parser(description: str) -> argparse.ArgumentParser:

@@ -135,11 +135,15 @@ class IsoFlopFit:
     metric: PowerLaw  # L*(C)
     excluded: tuple[Exclusion, ...] = ()
 
-    def forecast(self, compute: float) -> dict[str, float]:
+    def forecast(
+        self, compute: float, params: float | None = None, tokens: float | None = None
+    ) -> dict[str, float]:
+        """The compute-optimal run at ``compute`` and its metric (L*(C): approach 2 has no
+        metric of a given N and D, so ``params``/``tokens`` are only reported back)."""
         return {
             "compute": compute,
-            "params": self.params(compute),
-            "tokens": self.tokens(compute),
+            "params": self.params(compute) if params is None else params,
+            "tokens": self.tokens(compute) if tokens is None else tokens,
             "metric": self.metric(compute),
         }
 
@@ -267,9 +271,13 @@ class ParametricFit:
         g = (a * self.A / (b * self.B)) ** (1 / (a + b))
         return g * (compute / self.flops_per_param_token) ** (b / (a + b))
 
-    def forecast(self, compute: float) -> dict[str, float]:
-        n = self.optimal_params(compute)
-        d = compute / (self.flops_per_param_token * n)
+    def forecast(
+        self, compute: float, params: float | None = None, tokens: float | None = None
+    ) -> dict[str, float]:
+        """The metric of the run with ``params`` and ``tokens`` (the run that will train);
+        without them, of the law's own compute-optimal split of ``C = k N D``."""
+        n = self.optimal_params(compute) if params is None else params
+        d = compute / (self.flops_per_param_token * n) if tokens is None else tokens
         return {"compute": compute, "params": n, "tokens": d, "metric": self(n, d)}
 
     def quantities(self) -> dict[str, float]:
@@ -418,24 +426,28 @@ def bootstrap(
     cells: Sequence[Cell],
     *,
     forecast_budgets: Sequence[float] = (),
+    forecast_runs: Mapping[float, tuple[float, float]] | None = None,
     samples: int = 200,
     level: float = 0.95,
     seed: int = 0,
 ) -> Bootstrap:
-    """Refit ``fit`` on ``samples`` resamples of ``cells`` (within each budget, with
-    replacement: every resample keeps the sweep's budgets) and give percentile intervals.
+    """Refit ``fit`` on ``samples`` resamples of the usable ``cells`` (within each budget,
+    with replacement: every resample keeps the sweep's budgets) and give percentile intervals.
 
     ``fit`` is :func:`fit_isoflop`, or :func:`fit_parametric` (pass a warm-started one, e.g.
     ``functools.partial(fit_parametric, starts=[point_estimate_start])``, for speed).
+    ``forecast_runs``: budget -> (N, D) of the run that will train there, forecast as that
+    run rather than the law's own optimum.
     """
     point = fit(list(cells))
+    runs = dict(forecast_runs or {})
     rng = np.random.default_rng(seed)
     by_budget: dict[float, list[Cell]] = {}
-    for c in cells:
+    for c in usable_cells(cells)[0]:  # resampling a failed cell in would only fail the refit
         by_budget.setdefault(c.compute, []).append(c)
     values: dict[str, list[float]] = {k: [] for k in point.quantities()}
     predicted: dict[float, dict[str, list[float]]] = {
-        b: {k: [] for k in point.forecast(b)} for b in forecast_budgets
+        b: {k: [] for k in point.forecast(b, *runs.get(b, (None, None)))} for b in forecast_budgets
     }
     failed = 0
     for _ in range(samples):
@@ -452,7 +464,7 @@ def bootstrap(
         for k, v in refit.quantities().items():
             values[k].append(v)
         for b in forecast_budgets:
-            for k, v in refit.forecast(b).items():
+            for k, v in refit.forecast(b, *runs.get(b, (None, None))).items():
                 predicted[b][k].append(v)
     if len(next(iter(values.values()), [])) < max(10, samples // 2):
         raise FitError(f"bootstrap: only {samples - failed} of {samples} resamples could be fitted")
@@ -465,7 +477,10 @@ def bootstrap(
     return Bootstrap(
         quantities={k: interval(point.quantities()[k], xs) for k, xs in values.items()},
         forecasts={
-            b: {k: interval(point.forecast(b)[k], xs) for k, xs in per.items()}
+            b: {
+                k: interval(point.forecast(b, *runs.get(b, (None, None)))[k], xs)
+                for k, xs in per.items()
+            }
             for b, per in predicted.items()
         },
         samples=samples - failed,

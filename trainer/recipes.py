@@ -99,8 +99,8 @@ class RunPlan:
 
     @property
     def label(self) -> str:
-        """``C=1e+15 N=3.4M``: how a grid cell is shown (Airflow's map index)."""
-        return f"C={self.compute:.0e} N={_si(self.non_embedding_params)}"
+        """``C=1.5e+15 N=3.4M``: how a grid cell is shown (Airflow's map index)."""
+        return f"C={self.compute:.3g} N={_si(self.non_embedding_params)}"
 
     def estimate(self, peak_flops: float, mfu: float = DEFAULT_MFU) -> dict[str, float]:
         """FLOPs and accelerator seconds before launch: ``peak_flops`` is the whole slice's

@@ -35,7 +35,8 @@ __all__ = ["BeamStageFailed", "BeamStageHook", "DataflowJob", "gcp_connection_pr
 # Lines of the stage's output quoted in a failure (the traceback's end, usually).
 FAILURE_TAIL_LINES = 30
 # After SIGTERM, how long the launcher has to stop before SIGKILL.
-KILL_GRACE_SECONDS = 10.0
+# Airflow's supervisor SIGKILLs the task 5 s after SIGTERM: on_kill must be done before that.
+KILL_GRACE_SECONDS = 3.0
 
 
 class BeamStageFailed(RuntimeError):
@@ -135,20 +136,33 @@ class BeamStageHook(BaseHook):
         self.log.info("Running: %s", shlex.join(cmd))
         tail: collections.deque[str] = collections.deque(maxlen=FAILURE_TAIL_LINES)
         # One stream (stderr into stdout): the stage's log lines stay in the order written.
+        # Undecodable bytes are replaced: a stage's odd output must not stop the reading.
         with subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
         ) as proc:
             self._proc = proc
             assert proc.stdout is not None
-            for raw in proc.stdout:
-                line = raw.rstrip("\n")
-                tail.append(line)
-                on_line(line)
-                self.log.info("%s", line)
-                if self.line_callback is not None:
-                    self.line_callback(line)
-            returncode = proc.wait()
-        self._proc = None
+            try:
+                for raw in proc.stdout:
+                    line = raw.rstrip("\n")
+                    tail.append(line)
+                    on_line(line)
+                    self.log.info("%s", line)
+                    if self.line_callback is not None:
+                        self.line_callback(line)
+                returncode = proc.wait()
+            except BaseException:
+                # execution_timeout, or anything raised while reading: leaving this block
+                # would wait for the stage to end on its own, and its job would run on.
+                self.kill()
+                raise
+            finally:
+                self._proc = None
         if returncode != 0:
             raise BeamStageFailed(
                 f"python -m {module} exited with {returncode}; its last lines:\n  "
@@ -158,8 +172,11 @@ class BeamStageHook(BaseHook):
         if job is None:
             return {}
         if not self.job_id:
-            raise BeamStageFailed(
-                f"python -m {module} ended without printing a Dataflow job id", returncode
+            # The launcher's log did not say (another Beam's wording): the unique name finds it.
+            self.log.warning(
+                "python -m %s printed no Dataflow job id: following job %s by its name",
+                module,
+                self.job_name,
             )
         self._dataflow_hook(job).wait_for_done(
             job_name=self.job_name,
@@ -186,9 +203,13 @@ class BeamStageHook(BaseHook):
     def _dataflow_hook(job: DataflowJob) -> Any:
         from airflow.providers.google.cloud.hooks.dataflow import DataflowHook
 
-        # Batch jobs: cancel (not drain) on kill, and wait for the job to finish.
+        # Batch jobs: cancel (not drain) on kill, and wait for the job to finish; a cancel is
+        # sent, not waited for (on_kill has seconds before the task is SIGKILLed).
         return DataflowHook(
-            gcp_conn_id=job.gcp_conn_id, drain_pipeline=False, wait_until_finished=True
+            gcp_conn_id=job.gcp_conn_id,
+            drain_pipeline=False,
+            wait_until_finished=True,
+            cancel_timeout=None,
         )
 
     # -- stopping ---------------------------------------------------------------------------
@@ -210,10 +231,11 @@ class BeamStageHook(BaseHook):
             return  # nothing was submitted to Dataflow
         where = {"project_id": job.project_id, "location": job.location}
         # Before the launcher printed the id, the job may exist already; its unique name
-        # finds whatever was submitted.
+        # finds whatever was submitted. The request first, the log line after.
         ident = {"job_id": self.job_id} if self.job_id else {"job_name": self.job_name}
-        self.log.info("Cancelling Dataflow job %s", next(iter(ident.values())))
         try:
             self._dataflow_hook(job).cancel_job(**ident, **where)
         except Exception:  # the task is being killed anyway: say what may be left running
             self.log.exception("Could not cancel Dataflow job %s: cancel it in the console", ident)
+        else:
+            self.log.info("Cancel requested for Dataflow job %s", next(iter(ident.values())))

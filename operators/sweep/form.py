@@ -173,5 +173,18 @@ def check_sweep_config(params: Mapping[str, Any], vocab_size: int) -> None:
                         f"budgets: {budget:.3g} gives {len(sizes)} distinct model size(s) at "
                         "this spread; a parabola needs 3 (raise points or spread)"
                     )
+    known = known_metric_stores(params)
+    unknown = [s for s in params.get("metric_stores") or [] if s not in known]
+    if unknown:
+        problems.append(f"metric_stores: {unknown} are not held-out stores of this run ({known})")
     if problems:
         raise RunConfigError("invalid sweep configuration:\n  " + "\n  ".join(problems))
+
+
+def known_metric_stores(params: Mapping[str, Any]) -> list[str]:
+    """The held-out stores a run of this form has: one per source, and the eval prose."""
+    from operators.pipeline.graph import EVAL_STORE_PREFIX, EVAL_STORES, sources_of
+
+    return [f"heldout-{s.name}" for s in sources_of(params)] + [
+        f"{EVAL_STORE_PREFIX}{e}" for e in EVAL_STORES
+    ]

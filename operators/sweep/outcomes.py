@@ -7,7 +7,8 @@
   budgets; a fit that cannot be made is recorded with its reason instead;
 * :func:`preregister` -- a forecast written once, content-addressed
   (``{root}/sweep/forecasts/<sha256>.json``), before its run trains: a later night never
-  overwrites it (a create that finds the file leaves it as it was);
+  overwrites it (a create that finds the file leaves it as it was), and a run that was
+  forecast once keeps that first registration (:func:`find_registration`);
 * :func:`check_forecast` -- the outcome against the pre-registered prediction: relative error
   and whether it fell inside the interval.
 """
@@ -77,15 +78,22 @@ def cell_outcome(
 
 
 def fit_record(
-    outcomes: Sequence[Mapping[str, Any]], forecast_budgets: Sequence[float], seed: int = 0
+    outcomes: Sequence[Mapping[str, Any]],
+    forecast_runs: Mapping[float, tuple[float, float]],
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Both fits of the outcomes, with intervals and forecasts (see the module docstring)."""
+    """Both fits of the outcomes, with intervals and the forecasts of the runs that will train
+    at the forecast budgets (``forecast_runs``: budget -> (N, D)); see the module docstring.
+
+    A fit that cannot be made is recorded with its reason; one whose bootstrap cannot be made
+    (too few resamples fitted) keeps its point estimate, its intervals left out and why."""
     from trainer.fitting import Cell, FitError, bootstrap, fit_isoflop, fit_parametric
 
     cells = [
         Cell(o["budget"], o["params"], o["tokens"], o["metric"], name=o["label"]) for o in outcomes
     ]
     reasons = {o["label"]: o["reason"] for o in outcomes if o["reason"]}
+    budgets = sorted(forecast_runs)
     record: dict[str, Any] = {"cells": list(outcomes), "fits": {}}
     for name, fit, make_boot in (
         ("isoflop", fit_isoflop, lambda f: fit_isoflop),
@@ -97,47 +105,89 @@ def fit_record(
     ):
         try:
             point = fit(cells)
+        except FitError as exc:
+            record["fits"][name] = {"error": str(exc)}
+            continue
+        entry = {
+            **point.to_dict(),
+            "excluded": [
+                {"cell": e.cell, "reason": reasons.get(e.cell) or e.reason} for e in point.excluded
+            ],
+            "forecasts": {
+                f"{b:.6g}": {
+                    k: {"estimate": v, "low": None, "high": None}
+                    for k, v in point.forecast(b, *forecast_runs[b]).items()
+                }
+                for b in budgets
+            },
+            "intervals": None,
+        }
+        try:
             boot = bootstrap(
                 make_boot(point),
                 cells,
-                forecast_budgets=list(forecast_budgets),
+                forecast_budgets=budgets,
+                forecast_runs=forecast_runs,
                 samples=BOOTSTRAP_SAMPLES,
                 seed=seed,
             )
         except FitError as exc:
-            record["fits"][name] = {"error": str(exc)}
-            continue
-        excluded = [
-            {"cell": e.cell, "reason": reasons.get(e.cell) or e.reason} for e in point.excluded
-        ]
-        record["fits"][name] = {
-            **point.to_dict(),
-            "excluded": excluded,
-            "intervals": {k: vars(v) for k, v in boot.quantities.items()},
-            "forecasts": {
+            entry["bootstrap"] = {"error": str(exc)}
+        else:
+            entry["intervals"] = {k: vars(v) for k, v in boot.quantities.items()}
+            entry["forecasts"] = {
                 f"{b:.6g}": {k: vars(v) for k, v in per.items()}
                 for b, per in boot.forecasts.items()
-            },
-            "bootstrap": {"samples": boot.samples, "failed": boot.failed, "seed": boot.seed},
-        }
+            }
+            entry["bootstrap"] = {"samples": boot.samples, "failed": boot.failed, "seed": seed}
+        record["fits"][name] = entry
     return record
 
 
 def forecast_from(record: Mapping[str, Any], budget: float) -> dict[str, Any] | None:
-    """The prediction at ``budget``: approach 3's metric where it fitted (it has the
-    irreducible loss), else approach 2's; None when neither fitted."""
-    for name in ("parametric", "isoflop"):
-        fit = record["fits"].get(name) or {}
-        if "error" in fit or not fit:
-            continue
-        predicted = fit["forecasts"][f"{budget:.6g}"]
-        return {"fit": name, **predicted}
+    """The prediction at ``budget``: approach 3's (it has the irreducible loss) unless a
+    parameter of it sits at a bound, then approach 2's, then approach 3's with its warnings;
+    None when neither fitted."""
+    fits = {n: f for n, f in record["fits"].items() if f and "error" not in f}
+    order = ["parametric", "isoflop"]
+    if (fits.get("parametric") or {}).get("warnings"):
+        order = ["isoflop", "parametric"]
+    for name in order:
+        if name in fits:
+            fit = fits[name]
+            return {
+                "fit": name,
+                "warnings": list(fit.get("warnings") or []),
+                **fit["forecasts"][f"{budget:.6g}"],
+            }
     return None
 
 
+def find_registration(root: str, train_key: str) -> tuple[str, dict[str, Any]] | None:
+    """The earliest pre-registration of the run ``train_key``, or None."""
+    import fsspec
+
+    folder = join(root, FORECASTS)
+    fs, path = fsspec.core.url_to_fs(folder)
+    if not fs.exists(path):
+        return None
+    found = []
+    for name in sorted(fs.ls(path, detail=False)):
+        if not str(name).endswith(".json"):
+            continue
+        body = json.loads(fs.cat_file(name))
+        if body.get("train_step") == train_key:
+            uri = join(folder, str(name).rsplit("/", 1)[-1])
+            found.append((body.get("registered_at", 0.0), uri, body))
+    if not found:
+        return None
+    _, uri, body = min(found, key=lambda item: item[:2])
+    return uri, body
+
+
 def preregister(root: str, body: Mapping[str, Any]) -> tuple[str, str, bool]:
-    """Write a forecast once; (path, sha256, created). Its name is its content's hash, so the
-    same prediction is the same file, and nothing ever replaces one."""
+    """Write a forecast once; (path, sha256, created). Its name is its content's hash (the
+    registration time included), and nothing ever replaces one."""
     data = json.dumps({**body}, indent=2, sort_keys=True).encode() + b"\n"
     digest = hashlib.sha256(data).hexdigest()
     path = join(root, FORECASTS, f"{digest}.json")
@@ -174,15 +224,17 @@ def forecast_body(
 
 
 def check_forecast(forecast: Mapping[str, Any], outcome: float | None) -> dict[str, Any]:
-    """The outcome against its pre-registered prediction."""
+    """The outcome against its pre-registered prediction (``inside_interval`` None when the
+    prediction had no interval)."""
     predicted = forecast["predicted"]["metric"]
     if outcome is None or not math.isfinite(outcome):
         return {"outcome": outcome, "checked": False, "reason": "the forecast run has no metric"}
+    low, high = predicted.get("low"), predicted.get("high")
     return {
         "outcome": outcome,
         "checked": True,
         "predicted": predicted["estimate"],
         "relative_error": (outcome - predicted["estimate"]) / outcome,
-        "inside_interval": predicted["low"] <= outcome <= predicted["high"],
-        "interval": [predicted["low"], predicted["high"]],
+        "inside_interval": None if low is None or high is None else low <= outcome <= high,
+        "interval": [low, high],
     }

@@ -7,9 +7,7 @@ forecasts) and ``forecast_checks.json``, and the lineage store's runs.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 SWEEP_DAG = "slipway_scaling_sweep"
@@ -73,16 +71,27 @@ def render_night(run_id: str, record: Mapping[str, Any] | None, checks: Sequence
     lines += ["", "forecasts:"]
     by_sha = {c["sha256"]: c for c in checks}
     for forecast in record.get("forecasts") or []:
-        registered = json.loads(Path(forecast["path"]).read_text())
+        from trainer.rundir import read_json
+
+        registered = read_json(forecast["path"]) or {}
+        if not registered:
+            lines.append(f"  {forecast['path']}: missing")
+            continue
         m = registered["predicted"]["metric"]
         lines.append(
             f"  C={registered['budget']:.3g}: {registered['metric']} {m['estimate']:.4f} "
-            f"[{m['low']:.4f}, {m['high']:.4f}] ({registered['predicted']['fit']} fit), "
-            f"pre-registered {forecast['sha256'][:12]}"
+            f"[{m['low']}, {m['high']}] ({registered['predicted']['fit']} fit), "
+            f"pre-registered {forecast['sha256'][:12]} by {registered.get('run_id')}"
         )
+        if registered.get("post_hoc"):
+            lines.append("    registered after its run had trained: not a test")
+        for warning in registered["predicted"].get("warnings") or ():
+            lines.append(f"    warning: {warning}")
         check = by_sha.get(forecast["sha256"])
         if check and check.get("checked"):
-            inside = "inside" if check["inside_interval"] else "outside"
+            inside = {True: "inside", False: "outside", None: "no interval for"}[
+                check["inside_interval"]
+            ]
             lines.append(
                 f"    outcome {check['outcome']:.4f}: relative error "
                 f"{check['relative_error']:+.2%}, {inside} the interval"
@@ -108,7 +117,7 @@ def render_forecasts(runs: Sequence[Any]) -> str:
                 + (
                     f"predicted {predicted:.4f} outcome {check['outcome']:.4f} "
                     f"error {check['relative_error']:+.2%} "
-                    f"{'inside' if check['inside_interval'] else 'outside'}"
+                    f"{ {True: 'inside', False: 'outside', None: 'no interval'}[check['inside_interval']] }"
                     if check.get("checked")
                     else "not checked"
                 )

@@ -11,7 +11,8 @@ depending on ``$FAKE_LAUNCHER_MODE``:
   does, and exits 0 (the job "finished");
 * ``running``: prints that line, then waits until killed (the launcher waiting on its job);
 * ``hang``: prints a staging line and sleeps until killed (a launcher still submitting);
-* ``fail``: prints a traceback-like line and exits 3.
+* ``fail``: prints a traceback-like line and exits 3;
+* ``silent``: prints nothing about its job and exits 0.
 
 Standard library only, so that it starts in milliseconds.
 """
@@ -28,6 +29,8 @@ mode = os.environ.get("FAKE_LAUNCHER_MODE", "submit")
 if mode == "hang":
     print("INFO:apache_beam.runners.portability.stager:Staging the pipeline", flush=True)
     time.sleep(600)
+elif mode == "silent":
+    print("INFO:root:done", file=sys.stderr, flush=True)
 elif mode == "fail":
     print("ValueError: the stage refused its input", file=sys.stderr, flush=True)
     sys.exit(3)

@@ -440,3 +440,84 @@ def test_the_dataflow_options_run_the_module_locally(monkeypatch, tmp_path):
     assert manifest["records_out"] + sum(manifest["dropped"].values()) == 6
     assert manifest["config"]["source"] == "web"
     assert Path(out / "data").is_dir()
+
+
+def test_the_stage_logging_lets_dataflows_job_id_line_through_to_the_hook(capsys):
+    """The stage's own logging setup must not hide the line the hook reads the job id from
+    (Beam's DataflowRunner logs it at INFO under its apiclient logger; the rest of Beam is
+    kept at WARNING)."""
+    import logging
+
+    from airflow.providers.google.cloud.hooks.dataflow import (
+        process_line_and_extract_dataflow_job_id_callback,
+    )
+
+    from pipelines.stage import setup_logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        setup_logging()
+        apiclient = logging.getLogger("apache_beam.runners.dataflow.internal.apiclient")
+        apiclient.info("Created job with id: [%s]", JOB_ID)  # Beam's own call and words
+        logging.getLogger("apache_beam.runners.worker").info("chatter")  # still hidden
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+    printed = capsys.readouterr().err.splitlines()
+    assert not any("chatter" in line for line in printed)
+    found: list[str] = []
+    parse = process_line_and_extract_dataflow_job_id_callback(found.append)
+    for line in printed:
+        parse(line)
+    assert found == [JOB_ID]
+
+
+def test_a_dataflow_launch_without_a_job_id_line_is_followed_by_its_name(monkeypatch):
+    monkeypatch.setenv("FAKE_LAUNCHER_JOB_ID", "")  # a launcher that says nothing of its job
+    monkeypatch.setenv("FAKE_LAUNCHER_MODE", "silent")
+    op = _operator(monkeypatch)
+    result = _launch(op, _params(), FakeTaskInstance())
+    (waited,) = FakeDataflow.waited
+    assert waited["job_id"] is None and waited["job_name"] == result["dataflow_job_name"]
+
+
+def test_an_exception_while_following_kills_the_launcher_and_cancels(monkeypatch):
+    """What Airflow's execution_timeout does: an exception raised in the task while the hook
+    reads the stage's output. The launcher must not be left to run on, nor its job."""
+    import signal
+
+    from operators.hooks.beam import BeamStageHook
+
+    class Timeout(Exception):
+        pass
+
+    monkeypatch.setenv("FAKE_LAUNCHER_MODE", "running")
+    op = _operator(monkeypatch)
+    seen: list[BeamStageHook] = []
+    real = op.beam_hook
+    monkeypatch.setattr(
+        op, "beam_hook", lambda runner, job: seen.append(real(runner, job)) or seen[-1]
+    )
+
+    def alarm(signum, frame):
+        raise Timeout
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(Timeout):
+            _launch(op, _params(), FakeTaskInstance())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    (hook,) = seen
+    assert hook._proc is None and hook.job_id == JOB_ID
+    assert FakeDataflow.cancelled == [
+        {"job_id": JOB_ID, "project_id": PROJECT, "location": "europe-west4"}
+    ]

@@ -165,7 +165,9 @@ def test_outcomes_fits_and_a_failed_cell_left_out_with_its_reason(graph, tmp_pat
     first = grid_for(sweep_params(), VOCAB)[0]
     assert outcomes[0]["metric"] == pytest.approx(_chinchilla(first))
     assert outcomes[0]["reason"] is None
-    record = fit_record(outcomes, [3e13])
+    (run,) = forecast_cells(sweep_params(), VOCAB)
+    planned = (run["plan"]["non_embedding_params"], run["plan"]["tokens"])
+    record = fit_record(outcomes, {3e13: planned})
     assert set(record["fits"]) == {"isoflop", "parametric"}
     iso = record["fits"]["isoflop"]
     if "error" not in iso:
@@ -174,9 +176,17 @@ def test_outcomes_fits_and_a_failed_cell_left_out_with_its_reason(graph, tmp_pat
     assert "error" not in par, par
     assert {e["cell"] for e in par["excluded"]} == {failed["label"]}
     prediction = forecast_from(record, 3e13)
-    assert prediction["fit"] == "parametric"
+    expected = "isoflop" if par["warnings"] and "error" not in iso else "parametric"
+    assert prediction["fit"] == expected
     low, estimate, high = (prediction["metric"][k] for k in ("low", "estimate", "high"))
     assert low <= estimate <= high and math.isfinite(estimate)
+    # The forecast is of the run that will train there, not of the law's own optimum.
+    assert (prediction["params"]["estimate"], prediction["tokens"]["estimate"]) == planned
+    if prediction["fit"] == "parametric":
+        law = (
+            par["E"] + par["A"] / planned[0] ** par["alpha"] + par["B"] / planned[1] ** par["beta"]
+        )
+        assert estimate == pytest.approx(law)
 
 
 def test_a_pre_registration_is_written_once_and_never_replaced(graph, tmp_path):
@@ -221,3 +231,18 @@ def test_a_pre_empted_cell_is_left_out_even_if_its_checkpoint_was_scored(graph, 
     assert (
         outcome["reason"].startswith("training FAILED") and "fault injection" in outcome["reason"]
     )
+
+
+@pytest.mark.parametrize("run_id", ["..", ".", "../../etc", ".hidden", ""])
+def test_a_run_id_never_names_a_folder_outside_runs(run_id, tmp_path, monkeypatch):
+    from operators.settings import run_folder
+
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
+    folder = Path(run_folder(run_id))
+    assert folder.parent == tmp_path / "runs" and not folder.name.startswith(".")
+
+
+def test_metric_stores_must_be_stores_of_the_run():
+    with pytest.raises(RunConfigError, match=r"metric_stores: \['heldout-wikipedia'\]"):
+        check_sweep_config(sweep_params(metric_stores=["heldout-wikipedia"]), VOCAB)
+    check_sweep_config(sweep_params(metric_stores=["heldout-brown", "eval-lambada"]), VOCAB)
