@@ -32,7 +32,7 @@ from operators.steps import Step, join
 from operators.training import TrainingOperator
 from operators.validate import ValidateRunOperator
 
-GRID_TASK, FORECAST_TASK = "grid", "fit"
+GRID_TASK, FIT_TASK = "grid", "fit"
 SWEEP_RESULT = "sweep.json"  # in the run's folder: the night's grid, fits and forecasts
 
 
@@ -130,18 +130,17 @@ class PlanGridOperator(StepLineageMixin, BaseOperator):
 class _CellMixin:
     """A mapped task's cell (``expand_kwargs``): what its label and steps come from."""
 
-    cell: dict[str, Any]
+    def __init__(self, *, cell: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cell = dict(cell or {})
 
     def cell_steps(self, context: Mapping[str, Any]) -> tuple[Step, Step]:
-        from operators.sweep.form import metric_stores
-        from operators.sweep.grid import cell_evaluate_step, cell_train_step
+        from operators.sweep.grid import cell_steps
 
-        params = self.run_params(context)  # type: ignore[attr-defined]
-        graph = self.step_graph(context)  # type: ignore[attr-defined]
-        stores = metric_stores(params, list(graph.eval_stores))
-        return (
-            cell_train_step(self.cell, graph),
-            cell_evaluate_step(self.cell, graph, stores, int(params["eval_max_tokens"])),
+        return cell_steps(
+            self.cell,
+            self.step_graph(context),  # type: ignore[attr-defined]
+            self.run_params(context),  # type: ignore[attr-defined]
         )
 
 
@@ -149,10 +148,6 @@ class CellTrainingOperator(_CellMixin, TrainingOperator):
     """One cell's training (``cell``: a grid or forecast cell)."""
 
     template_fields = ()
-
-    def __init__(self, *, cell: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.cell = dict(cell or {})
 
     def train_step(self, context: Mapping[str, Any]) -> Step:
         return self.cell_steps(context)[0]
@@ -162,10 +157,6 @@ class CellEvaluationOperator(_CellMixin, EvaluationOperator):
     """One cell's evaluation on the metric's stores."""
 
     template_fields = ()
-
-    def __init__(self, *, cell: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.cell = dict(cell or {})
 
     def evaluate_step(self, context: Mapping[str, Any]) -> Step:
         return self.cell_steps(context)[1]
@@ -187,8 +178,7 @@ class CellEvaluationOperator(_CellMixin, EvaluationOperator):
 def _outcomes(
     operator: StepLineageMixin, context: Mapping[str, Any], cells: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    from operators.sweep.form import metric_stores
-    from operators.sweep.grid import cell_evaluate_step, cell_train_step
+    from operators.sweep.grid import cell_steps, metric_stores
     from operators.sweep.outcomes import cell_outcome
 
     params = operator.run_params(context)
@@ -196,12 +186,7 @@ def _outcomes(
     stores = metric_stores(params, list(graph.eval_stores))
     return [
         cell_outcome(
-            operator.steps_root(),
-            cell,
-            cell_train_step(cell, graph),
-            cell_evaluate_step(cell, graph, stores, int(params["eval_max_tokens"])),
-            stores,
-            params["metric"],
+            operator.steps_root(), cell, *cell_steps(cell, graph, params), stores, params["metric"]
         )
         for cell in cells
     ]
@@ -213,7 +198,7 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
     ui_color = "#ffe8c0"
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("task_id", FORECAST_TASK)
+        kwargs.setdefault("task_id", FIT_TASK)
         kwargs.setdefault("trigger_rule", "all_done")  # failed cells must not stop the fit
         super().__init__(**kwargs)
 

@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -418,7 +418,6 @@ class Bootstrap:
     failed: int  # resamples that could not (e.g. a budget lost its curve)
     level: float = 0.95
     seed: int = 0
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 def bootstrap(

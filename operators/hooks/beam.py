@@ -70,7 +70,6 @@ class BeamStageHook(BaseHook):
         *,
         dataflow: DataflowJob | None = None,
         py_interpreter: str = sys.executable,
-        line_callback: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
         if (runner == "DataflowRunner") != (dataflow is not None):
@@ -78,7 +77,6 @@ class BeamStageHook(BaseHook):
         self.runner = runner
         self.dataflow = dataflow
         self.py_interpreter = py_interpreter
-        self.line_callback = line_callback
         self.job_name: str | None = None  # the launched Dataflow job's unique name
         self.job_id: str | None = None  # read from the launcher's output
         self._proc: subprocess.Popen[str] | None = None
@@ -153,8 +151,6 @@ class BeamStageHook(BaseHook):
                     tail.append(line)
                     on_line(line)
                     self.log.info("%s", line)
-                    if self.line_callback is not None:
-                        self.line_callback(line)
                 returncode = proc.wait()
             except BaseException:
                 # execution_timeout, or anything raised while reading: leaving this block

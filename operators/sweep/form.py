@@ -130,12 +130,6 @@ def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dic
     return fields
 
 
-def metric_stores(params: Mapping[str, Any], known: list[str]) -> list[str]:
-    """The stores the metric averages: the form's, else every held-out store of the sources."""
-    chosen = list(params.get("metric_stores") or [])
-    return chosen or [k for k in known if k.startswith("heldout-")]
-
-
 def check_sweep_config(params: Mapping[str, Any], vocab_size: int) -> None:
     """What the schema cannot say about a sweep, every problem at once, each naming its field.
 

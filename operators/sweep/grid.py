@@ -147,3 +147,18 @@ def cell_evaluate_step(
         },
         unversioned=dict(graph.evaluate.unversioned),
     )
+
+
+def metric_stores(params: Mapping[str, Any], known: list[str]) -> list[str]:
+    """The stores the metric averages: the form's, else every held-out store of the sources."""
+    chosen = list(params.get("metric_stores") or [])
+    return chosen or [k for k in known if k.startswith("heldout-")]
+
+
+def cell_steps(cell: Mapping[str, Any], graph: Any, params: Mapping[str, Any]) -> tuple[Step, Step]:
+    """The cell's (train, evaluate) steps for this run's form and graph."""
+    stores = metric_stores(params, list(graph.eval_stores))
+    return (
+        cell_train_step(cell, graph),
+        cell_evaluate_step(cell, graph, stores, int(params["eval_max_tokens"])),
+    )
