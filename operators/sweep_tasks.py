@@ -15,6 +15,11 @@
 * :class:`CheckForecastOperator` (``check``) -- each forecast run's outcome against its
   pre-registration.
 
+``fit`` and ``check`` each write the night's report (:mod:`operators.sweep.figures`: the
+IsoFLOP and scaling-law plots, PNG and SVG, and ``report.json``) under
+``{run folder}/report/`` and record its files as the execution's outputs; ``check``'s adds
+the outcomes.
+
 Each records its execution in lineage (pipeline = the DAG id).
 """
 
@@ -276,7 +281,8 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
             )
         record["forecasts"] = forecasts
         write_run_file(context.get("run_id"), SWEEP_RESULT, record)
-        self._record(context, record, forecasts)
+        report = _write_report(context, record, [], params["metric"])
+        self._record(context, record, forecasts, report)
         for name, fit in record["fits"].items():
             if "error" in fit:
                 self.log.warning("%s fit: %s", name, fit["error"])
@@ -286,7 +292,11 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
         return [{"cell": f["cell"]} for f in forecasts]
 
     def _record(
-        self, context: Any, record: Mapping[str, Any], forecasts: list[dict[str, Any]]
+        self,
+        context: Any,
+        record: Mapping[str, Any],
+        forecasts: list[dict[str, Any]],
+        report: list[tuple[str, str]],
     ) -> None:
         store = self.lineage_store()
         try:
@@ -314,8 +324,31 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
                         role=f"forecast:{f['cell']['budget']:.3g}",
                         content_hash=f["sha256"],
                     )
+                _record_report(store, execution, report)
         finally:
             store.close()
+
+
+def _write_report(
+    context: Mapping[str, Any],
+    record: Mapping[str, Any],
+    checks: list[dict[str, Any]],
+    metric: str,
+) -> list[tuple[str, str]]:
+    """The night's plots and summary (:mod:`operators.sweep.figures`): (path, sha256) each."""
+    from operators.settings import run_folder
+    from operators.sweep.figures import write_report
+    from trainer.rundir import read_json
+
+    registrations = {f["sha256"]: read_json(f["path"]) or {} for f in record.get("forecasts") or []}
+    run_id = context.get("run_id")
+    return write_report(run_folder(run_id), run_id, record, registrations, checks, metric)
+
+
+def _record_report(store: Any, execution: int, report: list[tuple[str, str]]) -> None:
+    for path, digest in report:
+        name = path.rsplit("/", 1)[-1]
+        store.record_output(execution, path, "report", role=f"report:{name}", content_hash=digest)
 
 
 class CheckForecastOperator(StepLineageMixin, BaseOperator):
@@ -359,6 +392,8 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                         execution, forecast["path"], "forecast", content_hash=forecast["sha256"]
                     )
                 write_run_file(context.get("run_id"), "forecast_checks.json", checks)
+                metric = self.run_params(context)["metric"]
+                _record_report(store, execution, _write_report(context, record, checks, metric))
                 grid = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
                 self._fail_if_incomplete(record, _outcomes(self, context, grid), checks)
             except BaseException as exc:

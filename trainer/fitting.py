@@ -123,6 +123,8 @@ class BudgetOptimum:
     tokens: float  # D*
     metric: float  # L* (the N-parabola's minimum)
     cells: tuple[str, ...]  # the cells its parabolas used
+    # (a, b, c) of the metric ~ a (log N)^2 + b log N + c through them: what a report draws
+    parabola: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,11 @@ def _huber_parabola(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return result.x
 
 
-def _parabola_minimum(x: np.ndarray, y: np.ndarray, what: str) -> tuple[float, float] | str:
-    """(x at the minimum, y there), or why there is none inside the sampled range."""
+def _parabola_minimum(
+    x: np.ndarray, y: np.ndarray, what: str
+) -> tuple[float, float, tuple[float, float, float]] | str:
+    """(x at the minimum, y there, the parabola's coefficients), or why there is none inside
+    the sampled range."""
     a, b, c = _huber_parabola(x, y)
     if a <= 0:
         return f"the metric has no minimum in {what} (flat or concave curve: a = {a:.3g})"
@@ -187,7 +192,7 @@ def _parabola_minimum(x: np.ndarray, y: np.ndarray, what: str) -> tuple[float, f
             f"the minimum over {what} lies outside the sampled sizes "
             f"(exp {x_min:.3g} not in [{x.min():.3g}, {x.max():.3g}]): widen the grid"
         )
-    return float(x_min), float(np.polyval([a, b, c], x_min))
+    return float(x_min), float(np.polyval([a, b, c], x_min)), (float(a), float(b), float(c))
 
 
 def fit_isoflop(cells: Iterable[Cell]) -> IsoFlopFit:
@@ -225,6 +230,7 @@ def fit_isoflop(cells: Iterable[Cell]) -> IsoFlopFit:
                 tokens=math.exp(over_d[0]),
                 metric=over_n[1],
                 cells=tuple(c.key for c in group),
+                parabola=over_n[2],
             )
         )
     if len(optima) < MIN_BUDGETS:

@@ -3,6 +3,7 @@ pre-registration and check."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -246,3 +247,54 @@ def test_metric_stores_must_be_stores_of_the_run():
     with pytest.raises(RunConfigError, match=r"metric_stores: \['heldout-wikipedia'\]"):
         check_sweep_config(sweep_params(metric_stores=["heldout-wikipedia"]), VOCAB)
     check_sweep_config(sweep_params(metric_stores=["heldout-brown", "eval-lambada"]), VOCAB)
+
+
+def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(graph, tmp_path):
+    import numpy as np
+    from matplotlib.image import imread
+
+    from operators.sweep.figures import write_report
+
+    root = str(tmp_path / "steps")
+    outcomes = _outcomes(graph, root, lambda c: None if c["index"] == 1 else _chinchilla(c))
+    (run,) = forecast_cells(sweep_params(), VOCAB)
+    record = fit_record(
+        outcomes, {3e13: (run["plan"]["non_embedding_params"], run["plan"]["tokens"])}
+    )
+    train = cell_train_step(run, graph)
+    body = forecast_body("night-1", run, train, forecast_from(record, 3e13), record, "loss")
+    path, digest, _ = preregister(root, body)
+    record["forecasts"] = [{"cell": run, "path": path, "sha256": digest, "new": True}]
+    registrations = {digest: json.loads(Path(path).read_text())}
+
+    folder = tmp_path / "runs" / "night-1"
+    before = write_report(str(folder), "night-1", record, registrations, [], "loss")
+    names = [Path(p).name for p, _ in before]
+    assert names == ["isoflop.png", "isoflop.svg", "scaling.png", "scaling.svg", "report.json"]
+    for p, sha in before:
+        assert hashlib.sha256(Path(p).read_bytes()).hexdigest() == sha
+    for name in ("isoflop.png", "scaling.png"):
+        pixels = imread(folder / "report" / name)
+        assert pixels.shape[0] > 300 and float(np.std(pixels)) > 0.05  # drawn, not blank
+    svg = (folder / "report" / "isoflop.svg").read_text()
+    assert all(f"C = {b:.3g}" in svg for b in sweep_params()["budgets"])
+    assert "left out:" in svg and outcomes[1]["label"] in svg  # the failed cell, and why
+    summary = json.loads((folder / "report" / "report.json").read_text())
+    (forecast,) = summary["forecasts"]
+    assert forecast["sha256"] == digest and forecast["outcome"] is None
+    assert forecast["predicted"] == body["predicted"]["metric"]["estimate"]
+    assert summary["cells"][1]["reason"] == outcomes[1]["reason"]
+    assert summary["files"] == {Path(p).name: s for p, s in before[:-1]}
+    again = write_report(str(folder), "night-1", record, registrations, [], "loss")
+    assert again == before  # same record, same bytes
+
+    check = {"budget": 3e13, "sha256": digest, **check_forecast(body, 3.1)}
+    after = write_report(str(folder), "night-1", record, registrations, [check], "loss")
+    summary = json.loads((folder / "report" / "report.json").read_text())
+    assert summary["forecasts"][0]["outcome"] == 3.1
+    assert summary["forecasts"][0]["relative_error"] == pytest.approx(check["relative_error"])
+    assert (
+        dict(after)[str(folder / "report" / "scaling.png")]
+        != dict(before)[str(folder / "report" / "scaling.png")]
+    )  # the outcome is drawn
+    assert "outcome (" in (folder / "report" / "scaling.svg").read_text()
