@@ -118,7 +118,14 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.action == "show":
         record, checks = report.read_night(args.run_id)
         print(report.render_night(args.run_id, record, checks))
-        return 0 if record is not None else 1
+        if record is None:
+            return 1
+        from operators.settings import run_folder
+        from operators.steps import join
+        from operators.sweep.figures import REPORT_FOLDER
+
+        print(f"\nreport (plots and report.json): {join(run_folder(args.run_id), REPORT_FOLDER)}")
+        return 0
     store = _open_store(args)
     if store is None:
         return 1

@@ -249,7 +249,9 @@ def test_metric_stores_must_be_stores_of_the_run():
     check_sweep_config(sweep_params(metric_stores=["heldout-brown", "eval-lambada"]), VOCAB)
 
 
-def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(graph, tmp_path):
+def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(
+    graph, tmp_path, monkeypatch, capsys
+):
     import numpy as np
     from matplotlib.image import imread
 
@@ -298,3 +300,15 @@ def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(graph, tmp
         != dict(before)[str(folder / "report" / "scaling.png")]
     )  # the outcome is drawn
     assert "outcome (" in (folder / "report" / "scaling.svg").read_text()
+
+    # `slipway sweep show` reads the same night and points at its report
+    from operators import cli
+    from operators.settings import HOME_ENV
+
+    (folder / "sweep.json").write_text(json.dumps(record))
+    (folder / "forecast_checks.json").write_text(json.dumps([check]))
+    monkeypatch.setenv(HOME_ENV, str(tmp_path))
+    assert cli.main(["sweep", "show", "night-1"]) == 0
+    shown = capsys.readouterr().out
+    assert f"relative error {check['relative_error']:+.2%}" in shown
+    assert f"report (plots and report.json): {folder / 'report'}" in shown
