@@ -129,13 +129,24 @@ def test_a_night_with_a_failing_cell_fits_forecasts_checks_and_a_rerun_completes
     predicted = registered["predicted"]["metric"]
     assert predicted["low"] <= predicted["estimate"] <= predicted["high"]
     fit = nodes["fit"]
-    assert [o.artifact.content_hash for o in fit.outputs] == [forecast["sha256"]]
+    outputs = {o.role: o.artifact.content_hash for o in fit.outputs}
+    assert outputs.pop("forecast:3e+11") == forecast["sha256"]
+    report_roles = {
+        f"report:{name}.{ext}" for name in ("isoflop", "scaling") for ext in ("png", "svg")
+    }
+    assert set(outputs) == report_roles | {"report:report.json"}  # the night's report, before
 
     (check,) = run_file(env, run1, "forecast_checks.json")
     assert check["checked"] and check["sha256"] == forecast["sha256"]
     assert check["relative_error"] == pytest.approx(
         (check["outcome"] - check["predicted"]) / check["outcome"]
     )
+    report = run_file(env, run1, "report/report.json")
+    assert report["forecasts"][0]["outcome"] == check["outcome"]  # check redrew it with the outcome
+    checked = {o.role: o.artifact.content_hash for o in nodes["check"].outputs}
+    assert {r: checked[r] for r in report_roles} == {
+        f"report:{name}": digest for name, digest in report["files"].items()
+    }
     assert str(nodes["check"].execution.state) == "FAILED"  # the night fails at its leaf
     assert f"[{FAILING}]" in nodes["check"].execution.error and "backfill" in log1
 
