@@ -124,7 +124,7 @@ class BudgetOptimum:
     metric: float  # L* (the N-parabola's minimum)
     cells: tuple[str, ...]  # the cells its parabolas used
     # (a, b, c) of the metric ~ a (log N)^2 + b log N + c through them: what a report draws
-    parabola: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    parabola: tuple[float, float, float]
 
 
 @dataclass(frozen=True)

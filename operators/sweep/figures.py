@@ -1,8 +1,8 @@
 """A night's report: its grid and fits as plots, and a JSON summary, in ``{run folder}/report/``.
 
 * ``isoflop.png`` / ``.svg`` -- the metric against N, one colour per budget: the cells, each
-  budget's fitted parabola (Chinchilla approach 2) and its minimum, the cells a fit left out
-  (crosses), and each forecast run (its prediction with the interval, and its outcome);
+  budget's fitted parabola (Chinchilla approach 2) and its minimum, the cells left out listed
+  with their reasons, and each forecast run (its prediction with the interval, and its outcome);
 * ``scaling.png`` / ``.svg`` -- N*(C) and L*(C): the budgets' optima, approach 2's power laws
   carried out to the forecast budgets, approach 3's compute-optimal curve, and each forecast
   with its interval and outcome;
@@ -177,6 +177,8 @@ def scaling_figure(night: Mapping[str, Any], metric: str) -> Any:
     import numpy as np
     from matplotlib.figure import Figure
 
+    from trainer.fitting import ParametricFit, PowerLaw
+
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     ax_n, ax_l = fig.subplots(1, 2)
     iso = night["fits"].get("isoflop") or {}
@@ -196,22 +198,21 @@ def scaling_figure(night: Mapping[str, Any], metric: str) -> Any:
             )
         if "params" in iso:
             for ax, law, symbol in ((ax_n, iso["params"], "N*"), (ax_l, iso["metric"], "L*")):
-                coefficient, exponent = law["coefficient"], law["exponent"]
+                power_law = PowerLaw(**law)
                 ax.plot(
                     cs,
-                    coefficient * cs**exponent,
+                    power_law(cs),
                     "-",
                     color="k",
-                    label=f"{symbol} = {coefficient:.3g} C^{exponent:.3f}",
+                    label=f"{symbol} = {power_law.coefficient:.3g} C^{power_law.exponent:.3f}",
                 )
         if "E" in para:
-            k = para.get("flops_per_param_token", 6.0)
-            a, b = para["alpha"], para["beta"]
-            g = (a * para["A"] / (b * para["B"])) ** (1 / (a + b))
-            n_opt = g * (cs / k) ** (b / (a + b))
-            loss = para["E"] + para["A"] / n_opt**a + para["B"] / (cs / (k * n_opt)) ** b
-            ax_n.plot(cs, n_opt, "--", color="tab:blue", label="approach 3")
-            ax_l.plot(cs, loss, "--", color="tab:blue", label="approach 3 (compute-optimal)")
+            fields = ("E", "A", "B", "alpha", "beta", "loss", "flops_per_param_token")
+            optimal = ParametricFit(**{k: para[k] for k in fields}).forecast(cs)
+            ax_n.plot(cs, optimal["params"], "--", color="tab:blue", label="approach 3")
+            ax_l.plot(
+                cs, optimal["metric"], "--", color="tab:blue", label="approach 3 (compute-optimal)"
+            )
     for f in night["forecasts"]:
         ax_n.plot([f["budget"]], [f["params"]], "D", color="crimson", mfc="white")
     _forecast_points(ax_l, night["forecasts"], "budget")
@@ -264,7 +265,7 @@ def write_report(
                 digest = hashlib.sha256(data).hexdigest()
                 written.append((path, digest))
                 files[f"{name}.{fmt}"] = digest
-    body = json.dumps({**night, "files": files}, indent=2, sort_keys=True, default=str).encode()
-    fs.pipe_file(f"{base}/report.json", body + b"\n")
-    written.append((join(out, "report.json"), hashlib.sha256(body + b"\n").hexdigest()))
+    body = json.dumps({**night, "files": files}, indent=2, sort_keys=True, default=str) + "\n"
+    fs.pipe_file(f"{base}/report.json", body.encode())
+    written.append((join(out, "report.json"), hashlib.sha256(body.encode()).hexdigest()))
     return written
