@@ -23,6 +23,7 @@ from operators.evaluation import EvaluationOperator
 from operators.params import pipeline_params
 from operators.pipeline import PIPELINE, Role, TaskDef, edges, table_of_contents
 from operators.record import RecordRunOperator
+from operators.settings import schedule_from_env
 from operators.split import HeldoutSplitOperator
 from operators.training import TrainingOperator
 from operators.validate import ValidateRunOperator
@@ -48,8 +49,9 @@ with DAG(
     description="Data plane (Beam), JobSet training and evaluation, with lineage",
     # Time-based so that Airflow 3 backfills work (reprocess_behavior=failed reruns failed
     # runs; succeeded steps are cache hits). A weekly run with unchanged inputs is all cache
-    # hits: a cheap reproducibility check that also picks up refetched corpora.
-    schedule="@weekly",
+    # hits: a cheap reproducibility check that also picks up refetched corpora. The
+    # platform's to change ($SLIPWAY_PIPELINE_SCHEDULE; `none`: manual runs only).
+    schedule=schedule_from_env("SLIPWAY_PIPELINE_SCHEDULE", "@weekly"),
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,

@@ -8,7 +8,7 @@
     slipway plan [--conf JSON|@FILE]           dry run: which steps a DAG run with this
                                                conf would run, skip (cache hit) or wait for
     slipway sweep list [--db URL]              the scaling sweep's nights, newest first
-    slipway sweep show RUN_ID                  one night: grid, fits, forecasts, checks
+    slipway sweep show RUN_ID|latest           one night: grid, fits, forecasts, checks
     slipway sweep forecasts [--db URL]         every forecast against its outcome, by night
 
 The database is ``--db``, else :func:`operators.lineage.lineage_url` (the resolver the
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep_actions = sweep.add_subparsers(dest="action", required=True)
     sweep_actions.add_parser("list", parents=[db], help="the sweep's nights, newest first")
     sweep_show = sweep_actions.add_parser("show", help="one night: grid, fits, forecasts")
-    sweep_show.add_argument("run_id")
+    sweep_show.add_argument("run_id", help="a night's run id, or latest")
     sweep_actions.add_parser(
         "forecasts", parents=[db], help="every forecast against its outcome, oldest first"
     )
@@ -116,6 +116,10 @@ def _sweep(args: argparse.Namespace) -> int:
     from operators.sweep import report
 
     if args.action == "show":
+        if args.run_id == "latest":
+            args.run_id = _latest_night(args)
+            if args.run_id is None:
+                return 1
         record, checks = report.read_night(args.run_id)
         print(report.render_night(args.run_id, record, checks))
         if record is None:
@@ -133,6 +137,21 @@ def _sweep(args: argparse.Namespace) -> int:
         runs = store.runs()
     print(report.render_nights(runs) if args.action == "list" else report.render_forecasts(runs))
     return 0
+
+
+def _latest_night(args: argparse.Namespace) -> str | None:
+    """The newest sweep night's run id (``slipway sweep show latest``), or None, saying why."""
+    from operators.sweep.report import SWEEP_DAG
+
+    store = _open_store(args)
+    if store is None:
+        return None
+    with store:
+        nights = [r for r in store.runs() if r.pipeline == SWEEP_DAG]
+    if not nights:
+        print(f"slipway: no {SWEEP_DAG} runs recorded", file=sys.stderr)
+        return None
+    return nights[0].run_id
 
 
 def _lineage(args: argparse.Namespace) -> int:

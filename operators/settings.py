@@ -12,6 +12,9 @@ the metadata database on every parse):
 * corpora: the run's ``data_dir`` param (at or below a root the platform allows:
   ``$SLIPWAY_ALLOWED_DATA_ROOTS``, the platform data dir and the storage root), else
   ``$SLIPWAY_DATA_DIR``, else ``./data``.
+
+The DAGs' schedules are read at parse time, from the environment only
+(:func:`schedule_from_env`: ``$SLIPWAY_PIPELINE_SCHEDULE``, ``$SLIPWAY_SWEEP_SCHEDULE``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ HOME_VARIABLE = "slipway_home"
 DATA_ENV = "SLIPWAY_DATA_DIR"
 DATA_ROOTS_ENV = "SLIPWAY_ALLOWED_DATA_ROOTS"
 LINEAGE_ENV = "SLIPWAY_LINEAGE_DB"
+
+
+def schedule_from_env(variable: str, default: str) -> str | None:
+    """A DAG's schedule as the platform sets it: a cron expression or preset in ``variable``
+    (unset or empty: ``default``), or ``none``: no schedule, runs from the form and the API
+    only (and then no backfills, which need a time-based schedule)."""
+    value = os.environ.get(variable, "").strip() or default
+    return None if value.lower() == "none" else value
 
 
 def _variable(key: str) -> str | None:

@@ -82,10 +82,8 @@ class PlanGridOperator(StepLineageMixin, BaseOperator):
         super().__init__(**kwargs)
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
-        from operators.jobset.catalogue import resolve
         from operators.sweep.form import check_sweep_config
-        from operators.sweep.grid import grid_for
-        from trainer.shapes import CHIP_PEAK_FLOPS
+        from operators.sweep.grid import add_estimates, grid_for
 
         params = self.run_params(context)
         graph = self.step_graph(context)
@@ -93,17 +91,7 @@ class PlanGridOperator(StepLineageMixin, BaseOperator):
         # validate checked with the vocabulary the form asked for; this is the trained one.
         check_sweep_config(params, vocab)
         cells = grid_for(params, vocab)
-        shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
-        chip = CHIP_PEAK_FLOPS.get(params["accelerator"])
-        peak = chip * shape.total_chips if chip else None  # None: CPU, or a chip not listed
-        for cell in cells:
-            estimate = {"flops": cell["plan"]["flops"]}
-            if peak:
-                from trainer.recipes import DEFAULT_MFU
-
-                estimate["seconds"] = cell["plan"]["flops"] / (peak * DEFAULT_MFU)
-                estimate["mfu_assumed"] = DEFAULT_MFU
-            cell["estimate"] = estimate
+        add_estimates(cells, params)
         total = sum(c["plan"]["flops"] for c in cells)
         self.log.info(
             "%d cells (%s, vocab %d), %.3g training FLOPs in all:\n%s",
@@ -115,6 +103,7 @@ class PlanGridOperator(StepLineageMixin, BaseOperator):
                 f"  [{c['index']}] {c['label']}: hidden {c['plan']['model']['hidden_dim']} x "
                 f"{c['plan']['model']['num_layers']} layers, {c['plan']['steps']} steps of "
                 f"{c['plan']['batch_size']} x {c['plan']['seq_len']}"
+                + (f", ~{c['estimate']['seconds']:.3g} s" if "seconds" in c["estimate"] else "")
                 for c in cells
             ),
         )
@@ -213,7 +202,7 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
 
         from operators.settings import write_run_file
         from operators.steps import Status, probe
-        from operators.sweep.grid import cell_train_step, forecast_cells
+        from operators.sweep.grid import add_estimates, cell_train_step, forecast_cells
         from operators.sweep.outcomes import (
             find_registration,
             fit_record,
@@ -235,6 +224,7 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
                 self.log.warning("cell [%d] %s left out: %s", o["index"], o["label"], o["reason"])
         vocab = tokenizer_vocab(graph, root)
         runs = forecast_cells(params, vocab)
+        add_estimates(runs, params)
         record = fit_record(
             outcomes,
             {c["budget"]: (c["plan"]["non_embedding_params"], c["plan"]["tokens"]) for c in runs},
@@ -314,6 +304,11 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
                         for o in record["cells"]
                         if o["reason"]
                     ],
+                    # each cell's time beside its estimate before launch
+                    "times": [
+                        {"label": o["label"], "estimate": o["estimate"], "actual": o["actual"]}
+                        for o in record["cells"]
+                    ],
                 },
             ) as execution:
                 for f in forecasts:
@@ -384,6 +379,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                         "sha256": forecast["sha256"],
                         **check_forecast(registered, outcome["metric"]),
                     }
+                    check["estimate"], check["actual"] = outcome["estimate"], outcome["actual"]
                     if outcome["reason"]:
                         check["reason"] = outcome["reason"]
                     checks.append(check)

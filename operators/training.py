@@ -105,6 +105,7 @@ def _training_result(out: str, status: Any, resumed_from: int | None) -> dict[st
         "checkpoint_step": ckpt[0] if ckpt else None,
         "resumed_from": resumed_from,
         "restarts": status.restarts,
+        "train_seconds": result.get("train_seconds"),
     }
 
 

@@ -3,7 +3,8 @@
 Writes under ``output_dir``: ``config.json`` (resolved), ``checkpoints/``, ``metrics.jsonl``
 (one JSON object per logged step; after a resume, steps after the restored checkpoint are logged
 again and the last line for a step wins) and ``result.json`` (status, steps, final loss, error,
-and ``start_step``: the checkpoint step the run resumed from, 0 for a fresh start).
+``start_step``: the checkpoint step the run resumed from, 0 for a fresh start, and
+``train_seconds``: the wall time of this run's step loop).
 
 Exit codes: 0 succeeded; 1 failed; 2 invalid config (nothing computed);
 ``EXIT_RESTART`` = 42 preempted: SIGTERM was received, a checkpoint was saved, run me again
@@ -402,7 +403,7 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
     step = run.start_step
     last_loss: float | None = None
     pending: tuple[int, dict] | None = None  # a step's metrics, read once the next one runs
-    t_last = time.perf_counter()
+    t_last = loop_start = time.perf_counter()
     status = "succeeded"
 
     def flush(entry) -> float:
@@ -454,6 +455,9 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
         # the checkpoint step this run resumed from (0: a fresh start); this run trained and
         # logged steps start_step + 1 .. steps
         "start_step": run.start_step,
+        # wall seconds of this run's step loop (compilation and the last checkpoint included,
+        # startup not): the "actual" beside a sweep cell's estimate
+        "train_seconds": round(time.perf_counter() - loop_start, 3),
     }
     if lead:
         _write_json(rundir.join(out, rundir.RESULT), result)

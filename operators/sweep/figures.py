@@ -6,8 +6,9 @@
 * ``scaling.png`` / ``.svg`` -- N*(C) and L*(C): the budgets' optima, approach 2's power laws
   carried out to the forecast budgets, approach 3's compute-optimal curve, and each forecast
   with its interval and outcome;
-* ``report.json`` -- the night in numbers: the cells (metric, or why left out), both fits, the
-  forecasts with their checks, and the plots with their content hashes.
+* ``report.json`` -- the night in numbers: the cells (metric, or why left out; the time each
+  took beside its estimate), both fits, the forecasts with their checks, and the plots with
+  their content hashes.
 
 ``fit`` writes it before the forecast runs train (no outcome yet) and ``check`` writes it again
 with the outcomes; both list the files as lineage artifacts. Same record in, same bytes out
@@ -58,6 +59,8 @@ def summary(
                 "relative_error": check.get("relative_error"),
                 "inside_interval": check.get("inside_interval"),
                 "checked": bool(check.get("checked")),
+                "estimate": f["cell"].get("estimate"),
+                "actual": check.get("actual"),
             }
         )
     fits = {}
@@ -68,7 +71,17 @@ def summary(
         "cells": [
             {
                 k: c.get(k)
-                for k in ("index", "label", "budget", "params", "tokens", "metric", "reason")
+                for k in (
+                    "index",
+                    "label",
+                    "budget",
+                    "params",
+                    "tokens",
+                    "metric",
+                    "reason",
+                    "estimate",
+                    "actual",
+                )
             }
             for c in record.get("cells") or []
         ],

@@ -11,11 +11,18 @@ Airflow-free: the DAG wraps these fields in Params, the ``validate`` task calls
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from operators.pipeline.form import RunConfigError, field, form_fields
+from operators.pipeline.form import (
+    PlatformDefaultsError,
+    RunConfigError,
+    field,
+    form_fields,
+    schema_problem,
+)
 
 # The pipeline's reference-run fields: the recipe decides these for every cell.
 REPLACED_BY_RECIPE = (
@@ -28,15 +35,25 @@ REPLACED_BY_RECIPE = (
     "fail_at_step",
 )
 METRICS = ("loss", "bits_per_byte")
+# A JSON object of form values: the platform's nightly sweep. Scheduled nights run the form's
+# defaults, so this is what a night sweeps, and what the form shows first.
+SWEEP_CONF_ENV = "SLIPWAY_SWEEP_CONF"
 MAX_CELLS = 256  # one night's grid; more is a typo in budgets or points
 RECIPE_NAMES = ("marin-2025", "chinchilla-deepseek")  # trainer/recipes.py (a test checks)
 
 _BUDGET = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e27}
+# The default sweep's tokenizer: at its widths (16 to 192) an LM head over the pipeline's
+# 8192 tokens would be most of every run's FLOPs, and the budgets would buy mostly head.
+SWEEP_VOCAB_SIZE = 1024
 
 
 def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """The sweep form, field -> {default, schema}: a tiny sweep that runs on two cores."""
+    """The sweep form, field -> {default, schema}: ``make sweep-demo``'s sweep, three budgets
+    over a decade and a forecast at 10x, which runs on two cores (docs/scaling.md)."""
     fields = {k: v for k, v in form_fields(environ).items() if k not in REPLACED_BY_RECIPE}
+    stages = copy.deepcopy(fields["stage_configs"]["default"])
+    stages["train_tokenizer"]["vocab_size"] = SWEEP_VOCAB_SIZE
+    fields["stage_configs"] = {**fields["stage_configs"], "default": stages}
     fields.update(
         {
             "recipe": field(
@@ -56,7 +73,7 @@ def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dic
                 title="Compute budgets (training FLOPs), increasing",
             ),
             "points": field(
-                4,
+                5,
                 type="integer",
                 minimum=3,
                 maximum=16,
@@ -65,7 +82,7 @@ def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dic
                 "3: a parabola needs three).",
             ),
             "spread": field(
-                4.0,
+                6.0,
                 type="number",
                 minimum=1.5,
                 maximum=64,
@@ -127,6 +144,38 @@ def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dic
             ),
         }
     )
+    return _with_platform_sweep(fields, environ)
+
+
+def _with_platform_sweep(
+    fields: dict[str, dict[str, Any]], environ: Mapping[str, str] | None
+) -> dict[str, dict[str, Any]]:
+    """The form with ``$SLIPWAY_SWEEP_CONF``'s values as its defaults, each checked against its
+    field's schema at parse time (a bad one would refuse every night, far from its cause)."""
+    import json
+    import os
+
+    path = (os.environ if environ is None else environ).get(SWEEP_CONF_ENV, "").strip()
+    if not path:
+        return fields
+    where = f"{SWEEP_CONF_ENV} ({path})"
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise PlatformDefaultsError(f"{where}: cannot read a JSON object: {exc}") from None
+    if not isinstance(values, dict):
+        raise PlatformDefaultsError(f"{where}: must be a JSON object of form fields")
+    problems = []
+    for name, value in values.items():
+        if name not in fields:
+            problems.append(f"{name}: not a field of the sweep form")
+        elif (reason := schema_problem(fields[name], value)) is not None:
+            problems.append(f"{name}: {reason}")
+        else:
+            fields[name] = {**fields[name], "default": value}
+    if problems:
+        raise PlatformDefaultsError(f"{where}: invalid sweep defaults:\n  " + "\n  ".join(problems))
     return fields
 
 

@@ -9,7 +9,8 @@ data, is a cache hit; the budget and the recipe that chose the run are not part 
 (``unversioned``). Its evaluate step scores the final checkpoint on the metric's stores.
 
 The forecast runs are cells too (``kind: "forecast"``): the compute-optimal run of the recipe
-at each forecast budget.
+at each forecast budget. The tasks that plan cells add each one's ``estimate`` before launch
+(:func:`add_estimates`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,28 @@ def forecast_cells(params: Mapping[str, Any], vocab_size: int) -> list[dict[str,
             }
         )
     return cells
+
+
+def add_estimates(cells: list[dict[str, Any]], params: Mapping[str, Any]) -> float | None:
+    """Set each cell's ``estimate`` before launch: its FLOPs, the slice's chips and, where the
+    chip's peak is known (not on CPU), the accelerator seconds at an assumed MFU
+    (:data:`trainer.recipes.DEFAULT_MFU`). Returns the slice's peak FLOP/s, or None."""
+    from operators.jobset.catalogue import resolve
+    from trainer.recipes import DEFAULT_MFU
+    from trainer.shapes import CHIP_PEAK_FLOPS
+
+    shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
+    chip = CHIP_PEAK_FLOPS.get(params["accelerator"])
+    peak = chip * shape.total_chips if chip else None
+    for cell in cells:
+        flops = cell["plan"]["flops"]
+        estimate: dict[str, Any] = {"flops": flops, "chips": shape.total_chips}
+        if peak:
+            estimate.update(
+                seconds=flops / (peak * DEFAULT_MFU), mfu_assumed=DEFAULT_MFU, peak_flops=peak
+            )
+        cell["estimate"] = estimate
+    return peak
 
 
 def cell_slug(cell: Mapping[str, Any]) -> str:

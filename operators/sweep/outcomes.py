@@ -1,7 +1,8 @@
 """What a sweep's cells reached, the fits through them, the pre-registered forecasts, the check.
 
 * :func:`cell_outcome` -- one cell's metric from its evaluate step's status marker (SUCCESS),
-  or why it has none (the train or the evaluation failed, or never ran);
+  or why it has none (the train or the evaluation failed, or never ran), and the time it
+  took beside its estimate (:func:`actual_time`);
 * :func:`fit_record` -- both fits (:mod:`trainer.fitting`), each with the cells it used and the
   ones it left out with their reason, bootstrap intervals, and the forecasts at the forecast
   budgets; a fit that cannot be made is recorded with its reason instead;
@@ -23,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from operators.steps import Status, Step, join, probe
+from operators.steps import Status, StatusRecord, Step, join, probe
 from operators.steps.store import store_for
 
 BOOTSTRAP_SAMPLES = 100
@@ -46,7 +47,8 @@ def cell_outcome(
     stores: Sequence[str],
     metric: str,
 ) -> dict[str, Any]:
-    """``{"cell", "label", "budget", "params", "tokens", "metric", "reason", "steps"}``."""
+    """``{"index", "label", "budget", "params", "tokens", "metric", "reason", "steps",
+    "estimate", "actual"}``: ``actual`` is :func:`actual_time` once the cell has trained."""
     plan = cell["plan"]
     out: dict[str, Any] = {
         "index": cell["index"],
@@ -57,6 +59,8 @@ def cell_outcome(
         "metric": None,
         "reason": None,
         "steps": {"train": train.key, "evaluate": evaluate.key},
+        "estimate": cell.get("estimate"),
+        "actual": None,
     }
     trained = probe(root, train).status
     if trained is None or trained.status is not Status.SUCCESS:
@@ -64,6 +68,7 @@ def cell_outcome(
         state = "never ran" if trained is None else f"{trained.status}: {trained.error}"
         out["reason"] = f"training {state}"
         return out
+    out["actual"] = actual_time(trained, plan["flops"], cell.get("estimate") or {})
     evaluated = probe(root, evaluate).status
     if evaluated is None or evaluated.status is not Status.SUCCESS:
         state = "never ran" if evaluated is None else f"{evaluated.status}: {evaluated.error}"
@@ -75,6 +80,25 @@ def cell_outcome(
     elif not math.isfinite(out["metric"]):
         out["reason"] = f"{metric} is {out['metric']}: the run diverged"
     return out
+
+
+def actual_time(
+    marker: StatusRecord, flops: float, estimate: Mapping[str, Any]
+) -> dict[str, float | None]:
+    """What a trained cell took, beside its estimate: ``wall_seconds`` of the train step's
+    successful launch (its status marker: start to end, startup included; after a
+    pre-emption, the launch that finished), ``train_seconds`` of its step loop (the trainer's
+    result), and where the grid knew them, ``chip_seconds`` (wall x the slice's chips) and
+    the ``mfu`` the step loop reached on the accelerator's peak."""
+    wall = marker.updated_at - marker.started_at if marker.started_at else None
+    train_s = (marker.result or {}).get("train_seconds")
+    chips, peak = estimate.get("chips"), estimate.get("peak_flops")
+    return {
+        "wall_seconds": wall,
+        "train_seconds": train_s,
+        "chip_seconds": wall * chips if wall is not None and chips else None,
+        "mfu": flops / (train_s * peak) if train_s and peak else None,
+    }
 
 
 def fit_record(
@@ -217,6 +241,7 @@ def forecast_body(
         "budget": cell["budget"],
         "metric": metric,
         "config": cell["plan"],
+        "estimate": cell.get("estimate"),
         "train_step": train.key,
         "predicted": dict(prediction),
         "fit_inputs": used,

@@ -58,14 +58,22 @@ def _fit_line(name: str, fit: Mapping[str, Any]) -> str:
     )
 
 
+def _time(cell: Mapping[str, Any]) -> str:
+    """``wall estimate``: the train step's wall seconds and the accelerator-time estimate
+    (``-`` where there is none: not trained, or a chip without a known peak, as on CPU)."""
+    actual = (cell.get("actual") or {}).get("wall_seconds")
+    estimate = (cell.get("estimate") or {}).get("seconds")
+    return " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in (actual, estimate))
+
+
 def render_night(run_id: str, record: Mapping[str, Any] | None, checks: Sequence[Any]) -> str:
     if record is None:
         return f"{run_id}: no fit recorded yet (the night has not reached its fit task)"
-    lines = [f"sweep {run_id}", "", "grid:"]
+    lines = [f"sweep {run_id}", "", f"grid:{'metric':>47} {'time (s)':>9} {'estimate':>9}"]
     for cell in record["cells"]:
         metric = f"{cell['metric']:.4f}" if cell["metric"] is not None else "-"
         note = f"  left out: {cell['reason']}" if cell["reason"] else ""
-        lines.append(f"  [{cell['index']}] {cell['label']:<32} {metric:>9}{note}")
+        lines.append(f"  [{cell['index']}] {cell['label']:<32} {metric:>9} {_time(cell):>19}{note}")
     lines += ["", "fits:"]
     lines += [_fit_line(name, fit) for name, fit in record["fits"].items()]
     lines += ["", "forecasts:"]

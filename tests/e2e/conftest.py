@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tiny_pipeline import make_corpora
+from tests.support.tiny_pipeline import make_corpora, tiny_sweep_conf
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 DAG_ID = "slipway_pipeline"
+SWEEP_DAG_ID = "slipway_scaling_sweep"
+SWEEP_FAILING_CELL = 1  # the grid index the platform's nightly sweep pre-empts
 HEARTBEAT_TIMEOUT_S = 30
 
 
@@ -49,11 +51,17 @@ class Airflow:
         self.home = base / "airflow"
         self.slipway_home = base
         self.data = make_corpora(base / "data")
+        # The platform's nightly sweep (scheduled nights run the form's defaults): tiny, with
+        # one cell pre-empted (tests/e2e/test_sweep_standalone.py).
+        self.sweep_conf = tiny_sweep_conf(self.data, fail_cells=[SWEEP_FAILING_CELL])
+        (base / "nightly-sweep.json").write_text(json.dumps(self.sweep_conf))
         settings = {
             "AIRFLOW__API__WORKERS": "1",
-            # The DAG is @weekly without catchup: unpausing it would start the latest scheduled
-            # run (the full default form) ahead of ours (max_active_runs=1). Manual runs only.
-            "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
+            # slipway_pipeline is @weekly without catchup: unpausing it would start the latest
+            # scheduled run (the full default form) ahead of ours (max_active_runs=1). Manual
+            # runs only; the sweep keeps its nightly schedule (its test unpauses it).
+            "SLIPWAY_PIPELINE_SCHEDULE": "none",
+            "SLIPWAY_SWEEP_CONF": str(base / "nightly-sweep.json"),
             # A task whose worker died is failed by the scheduler this long after its last
             # heartbeat (default 300 s; the supervisor beats every few seconds).
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
@@ -158,15 +166,15 @@ class Airflow:
         assert r.status_code < 300, f"{method} {path}: {r.status_code} {r.text}"
         return r.json()
 
-    def wait_for_dag(self, timeout: float = 120) -> None:
+    def wait_for_dag(self, timeout: float = 120, dag_id: str = DAG_ID) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            r = self.client.get(f"/api/v2/dags/{DAG_ID}")
+            r = self.client.get(f"/api/v2/dags/{dag_id}")
             if r.status_code == 200:
                 return
             time.sleep(2)
         errors = self.client.get("/api/v2/importErrors").text
-        raise AssertionError(f"{DAG_ID} not parsed in {timeout}s: {errors}\n{self.log_tail()}")
+        raise AssertionError(f"{dag_id} not parsed in {timeout}s: {errors}\n{self.log_tail()}")
 
     def trigger(self, run_id: str, conf: dict) -> None:
         self.api(
@@ -175,18 +183,25 @@ class Airflow:
             json={"dag_run_id": run_id, "logical_date": None, "conf": conf},
         )
 
-    def wait_run(self, run_id: str, timeout: float = 420) -> str:
+    def wait_run(self, run_id: str, timeout: float = 420, dag_id: str = DAG_ID) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            state = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"]
+            state = self.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}")["state"]
             if state in ("success", "failed"):
                 return state
             time.sleep(3)
-        raise AssertionError(f"run {run_id} not done in {timeout}s: {self.task_states(run_id)}")
+        states = self.task_states(run_id, dag_id)
+        raise AssertionError(f"run {run_id} not done in {timeout}s: {states}")
 
-    def task_states(self, run_id: str) -> dict[str, str]:
-        tis = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")
-        return {ti["task_id"]: ti["state"] for ti in tis["task_instances"]}
+    def task_states(self, run_id: str, dag_id: str = DAG_ID) -> dict[str, str]:
+        """Task id -> state; a mapped task's instances as ``task_id[map_index]``."""
+        tis = self.api(
+            "GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 100}
+        )
+        return {
+            ti["task_id"] + (f"[{ti['map_index']}]" if ti["map_index"] >= 0 else ""): ti["state"]
+            for ti in tis["task_instances"]
+        }
 
     def task_log(self, run_id: str, task_id: str, try_number: int = 1) -> str:
         r = self.client.get(

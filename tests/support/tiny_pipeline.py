@@ -182,6 +182,27 @@ def tiny_conf(data_dir: Path, **overrides: object) -> dict:
     return conf
 
 
+def tiny_sweep_conf(data_dir: Path, **overrides: object) -> dict:
+    """Sweep form for a tiny sweep: the tiny run's data fields, two budgets x three sizes
+    (six cells of ~50 steps) and a forecast at 10x."""
+    from operators.sweep.form import REPLACED_BY_RECIPE
+
+    conf = {k: v for k, v in tiny_conf(data_dir).items() if k not in REPLACED_BY_RECIPE}
+    conf.update(
+        {
+            "budgets": [1e10, 3e10],
+            "points": 3,
+            "spread": 4.0,
+            "forecast_budgets": [3e11],
+            "seq_len": 128,
+            "steps_per_run": 50,
+            "metric_stores": ["heldout-brown", "heldout-fortunes"],
+        }
+    )
+    conf.update(overrides)
+    return conf
+
+
 if __name__ == "__main__":  # python -m tests.support.tiny_pipeline DIR -> prints the conf
     import sys
 

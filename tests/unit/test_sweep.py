@@ -18,7 +18,13 @@ from operators.sweep.form import (
     check_sweep_config,
     sweep_form_fields,
 )
-from operators.sweep.grid import cell_evaluate_step, cell_train_step, forecast_cells, grid_for
+from operators.sweep.grid import (
+    add_estimates,
+    cell_evaluate_step,
+    cell_train_step,
+    forecast_cells,
+    grid_for,
+)
 from operators.sweep.outcomes import (
     cell_outcome,
     check_forecast,
@@ -218,6 +224,40 @@ def test_a_pre_registration_is_written_once_and_never_replaced(graph, tmp_path):
     }
 
 
+def test_a_trained_cell_records_its_time_beside_the_estimate(graph, tmp_path):
+    params = sweep_params(accelerator="v5e", topology="2x2")
+    cells = grid_for(params, VOCAB)
+    peak = add_estimates(cells, params)
+    assert peak == 4 * 197e12  # four v5e chips
+    cell = cells[0]
+    flops = cell["plan"]["flops"]
+    assert cell["estimate"] == {
+        "flops": flops,
+        "chips": 4,
+        "seconds": pytest.approx(flops / (peak * 0.4)),
+        "mfu_assumed": 0.4,
+        "peak_flops": peak,
+    }
+    train = cell_train_step(cell, graph)
+    evaluate = cell_evaluate_step(cell, graph, ["heldout-brown"], 512)
+    root = str(tmp_path / "steps")
+    runner = StepRunner(root)
+    untrained = cell_outcome(root, cell, train, evaluate, ["heldout-brown"], "loss")
+    assert untrained["actual"] is None and untrained["estimate"] == cell["estimate"]
+    runner.run(train, lambda spec: {"steps": 1, "train_seconds": 0.25})
+    runner.run(evaluate, lambda spec: {"results": {"heldout-brown": {"loss": 3.0}}})
+    actual = cell_outcome(root, cell, train, evaluate, ["heldout-brown"], "loss")["actual"]
+    assert actual["train_seconds"] == 0.25
+    assert 0 <= actual["wall_seconds"] < 60  # the step marker's start to end
+    assert actual["chip_seconds"] == pytest.approx(4 * actual["wall_seconds"])
+    assert actual["mfu"] == pytest.approx(flops / (0.25 * peak))
+
+    cpu = sweep_params()  # no known peak: FLOPs only, and no MFU after
+    cpu_cells = grid_for(cpu, VOCAB)
+    assert add_estimates(cpu_cells, cpu) is None
+    assert set(cpu_cells[0]["estimate"]) == {"flops", "chips"}
+
+
 def test_a_pre_empted_cell_is_left_out_even_if_its_checkpoint_was_scored(graph, tmp_path):
     root = str(tmp_path / "steps")
     (cell, *_) = grid_for(sweep_params(), VOCAB)
@@ -312,3 +352,56 @@ def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(
     shown = capsys.readouterr().out
     assert f"relative error {check['relative_error']:+.2%}" in shown
     assert f"report (plots and report.json): {folder / 'report'}" in shown
+    assert "time (s)" in shown and "estimate" in shown
+
+    # `latest`: the newest night lineage has; none recorded yet is an error that says so
+    from operators.lineage.store import LineageStore
+    from operators.sweep.report import SWEEP_DAG
+
+    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
+    LineageStore().close()  # an empty database
+    assert cli.main(["sweep", "show", "latest"]) == 1
+    assert f"no {SWEEP_DAG} runs recorded" in capsys.readouterr().err
+    with LineageStore() as store, store.recording("fit", run_id="night-1", pipeline=SWEEP_DAG):
+        pass
+    assert cli.main(["sweep", "show", "latest"]) == 0
+    assert "sweep night-1" in capsys.readouterr().out
+
+
+def test_the_platform_sets_the_nightly_sweep_and_a_bad_value_is_refused_at_parse(tmp_path):
+    from operators.pipeline.form import PlatformDefaultsError
+    from operators.sweep.form import SWEEP_CONF_ENV
+
+    conf = tmp_path / "nightly.json"
+    conf.write_text(json.dumps({"budgets": [1e10, 3e10], "points": 3, "seeds": [0, 1]}))
+    fields = sweep_form_fields({SWEEP_CONF_ENV: str(conf)})
+    assert fields["budgets"]["default"] == [1e10, 3e10] and fields["points"]["default"] == 3
+    assert fields["seeds"]["default"] == [0, 1]
+    assert fields["recipe"]["default"] == "marin-2025"  # the rest stay the form's
+
+    conf.write_text(json.dumps({"points": 2, "learning_rate": 0.1}))
+    with pytest.raises(PlatformDefaultsError) as err:
+        sweep_form_fields({SWEEP_CONF_ENV: str(conf)})
+    message = str(err.value)
+    assert SWEEP_CONF_ENV in message and str(conf) in message
+    assert "points: " in message  # below the schema's minimum of 3
+    assert "learning_rate: not a field of the sweep form" in message  # the recipe's
+    conf.write_text("[1, 2]")
+    with pytest.raises(PlatformDefaultsError, match="must be a JSON object"):
+        sweep_form_fields({SWEEP_CONF_ENV: str(conf)})
+    with pytest.raises(PlatformDefaultsError, match="cannot read"):
+        sweep_form_fields({SWEEP_CONF_ENV: str(tmp_path / "missing.json")})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, "0 2 * * *"), ("", "0 2 * * *"), ("30 3 * * 1-5", "30 3 * * 1-5"), ("none", None)],
+)
+def test_a_schedule_is_the_platforms(monkeypatch, value, expected):
+    from operators.settings import schedule_from_env
+
+    if value is None:
+        monkeypatch.delenv("SLIPWAY_SWEEP_SCHEDULE", raising=False)
+    else:
+        monkeypatch.setenv("SLIPWAY_SWEEP_SCHEDULE", value)
+    assert schedule_from_env("SLIPWAY_SWEEP_SCHEDULE", "0 2 * * *") == expected

@@ -1,0 +1,147 @@
+"""The scaling sweep on a real ``airflow standalone``: a scheduled night that loses a cell, and
+the Airflow backfill that repairs it.
+
+The standalone is the e2e tests' shared one (``tests/e2e/conftest.py``), set up as a platform
+would set it: ``$SLIPWAY_SWEEP_CONF`` is the nightly sweep (a tiny one: two budgets x three
+sizes and a forecast at 10x, with one cell pre-empted by fault injection) and the schedule is
+the DAG's own, 02:00 daily without catchup.
+
+1. Unpausing the DAG lets the scheduler start the most recent night it missed (a
+   ``scheduled`` run at the last 02:00), with the platform's form. One cell fails; the fit
+   goes through the other five, the forecast is pre-registered, trained and checked, and the
+   night fails at its leaf, naming the cell.
+2. ``POST /api/v2/backfills`` over that night with ``reprocess_behavior=failed``: Airflow
+   clears the failed run and runs it again. Every step that succeeded is a cache hit; only
+   the failed cell trains (resuming from the checkpoint its pre-emption left, so the fault
+   does not fire again) and is evaluated; the forecast keeps its first pre-registration; the
+   night succeeds.
+
+~5 min on two shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import SWEEP_DAG_ID, SWEEP_FAILING_CELL
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+def _last_night(now: datetime) -> datetime:
+    """The most recent 02:00 UTC: the night the scheduler runs on unpausing."""
+    night = now.replace(hour=2, minute=0, second=0, microsecond=0)
+    return night if night <= now else night - timedelta(days=1)
+
+
+def _scheduled_run(af, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = af.api("GET", f"/dags/{SWEEP_DAG_ID}/dagRuns")["dag_runs"]
+        if runs:
+            return runs[0]
+        time.sleep(2)
+    raise AssertionError(f"no scheduled run in {timeout}s:\n{af.log_tail()}")
+
+
+def _steps(af, run_id: str) -> dict[str, list[object]]:
+    """Each ``sweep/...`` step's executions in this run, in start order."""
+    _, _, executions = af.lineage(run_id)
+    steps: dict[str, list[object]] = {}
+    for e in executions:
+        if e.name.startswith("sweep/"):
+            steps.setdefault(e.name, []).append(e)
+    return steps
+
+
+def _run_file(af, run_id: str, name: str, monkeypatch: pytest.MonkeyPatch) -> object:
+    from operators.settings import HOME_ENV, run_folder
+
+    monkeypatch.setenv(HOME_ENV, str(af.slipway_home))  # the standalone's storage root
+    return json.loads((Path(run_folder(run_id)) / name).read_text())
+
+
+def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(airflow, monkeypatch):
+    af = airflow
+    af.wait_for_dag(dag_id=SWEEP_DAG_ID)
+    assert af.api("GET", f"/dags/{SWEEP_DAG_ID}")["is_paused"], "new DAGs start paused"
+    unpaused_at = datetime.now(UTC)
+    af.api("PATCH", f"/dags/{SWEEP_DAG_ID}", json={"is_paused": False})
+
+    # -- 1. the scheduled night -----------------------------------------------------------------
+    run = _scheduled_run(af)
+    run_id, logical = run["dag_run_id"], datetime.fromisoformat(run["logical_date"])
+    assert run["run_type"] == "scheduled", run
+    assert logical == _last_night(unpaused_at), run
+    assert run["conf"] in ({}, None)  # a scheduled night: the platform's form, no conf
+    t0 = time.monotonic()
+    state = af.wait_run(run_id, timeout=900, dag_id=SWEEP_DAG_ID)
+    print(f"scheduled night {run_id}: {state} in {time.monotonic() - t0:.0f}s")
+    tasks = af.task_states(run_id, SWEEP_DAG_ID)
+    assert state == "failed", tasks
+    cells = sorted(t for t in tasks if t.startswith("train_cell["))
+    assert len(cells) == 6, tasks
+    failing = f"train_cell[{SWEEP_FAILING_CELL}]"
+    assert {t: tasks[t] for t in cells if tasks[t] != "success"} == {failing: "failed"}, tasks
+    assert tasks["fit"] == "success" and tasks["train_forecast[0]"] == "success", tasks
+    assert tasks["check"] == "failed", tasks
+
+    record = _run_file(af, run_id, "sweep.json", monkeypatch)
+    left_out = [c for c in record["cells"] if c["reason"]]
+    assert [c["index"] for c in left_out] == [SWEEP_FAILING_CELL], left_out
+    assert "fault injection" in left_out[0]["reason"]
+    assert len(record["fits"]["parametric"]["cells"]) == 5  # the fit went through the rest
+    (forecast,) = record["forecasts"]
+    registered = Path(forecast["path"]).read_bytes()
+    assert json.loads(registered)["run_id"] == run_id
+    (check,) = _run_file(af, run_id, "forecast_checks.json", monkeypatch)
+    assert check["checked"] and check["sha256"] == forecast["sha256"]
+    first = _steps(af, run_id)
+    trains = {n: [str(e.state) for e in x] for n, x in first.items() if "/train/" in n}
+    assert sorted(s for (s,) in trains.values()).count("FAILED") == 1, trains
+    failed_step = next(n for n, (s,) in trains.items() if s == "FAILED")
+
+    # -- 2. the backfill: Airflow reruns the failed night --------------------------------------
+    night = logical.isoformat()
+    backfill = af.api(
+        "POST",
+        "/backfills",
+        json={
+            "dag_id": SWEEP_DAG_ID,
+            "from_date": night,
+            "to_date": night,
+            "reprocess_behavior": "failed",
+            "max_active_runs": 1,
+        },
+    )
+    t0 = time.monotonic()
+    time.sleep(3)  # the cleared run is queued for the scheduler
+    state = af.wait_run(run_id, timeout=900, dag_id=SWEEP_DAG_ID)
+    print(f"backfill {backfill['id']} of {run_id}: {state} in {time.monotonic() - t0:.0f}s")
+    tasks = af.task_states(run_id, SWEEP_DAG_ID)
+    assert state == "success", (tasks, af.log_tail())
+    assert set(tasks.values()) == {"success"}, tasks
+    rerun = af.api("GET", f"/dags/{SWEEP_DAG_ID}/dagRuns/{run_id}")
+    assert rerun["run_type"] == "backfill", rerun  # the same night, now the backfill's
+
+    steps = _steps(af, run_id)
+    evaluate_step = failed_step.replace("/train/", "/evaluate/")
+    # The first night did not evaluate the failed cell (its training had failed): the
+    # backfill's evaluation is its first. Every other step ran on both, the second a cache hit.
+    assert [str(e.state) for e in steps.pop(evaluate_step)] == ["COMPLETE"]
+    assert {n: len(x) for n, x in steps.items() if len(x) != 2} == {}
+    again = {n: str(x[-1].state) for n, x in steps.items()}
+    assert {n: s for n, s in again.items() if s != "CACHED"} == {failed_step: "COMPLETE"}, again
+    resumed = steps[failed_step][-1].properties
+    assert resumed["resumed_from_step"] >= 1, resumed  # from the pre-emption's checkpoint
+    record = _run_file(af, run_id, "sweep.json", monkeypatch)
+    assert not [c for c in record["cells"] if c["reason"]]
+    (forecast2,) = record["forecasts"]
+    assert forecast2["path"] == forecast["path"] and not forecast2["new"]
+    assert Path(forecast["path"]).read_bytes() == registered  # the first registration stands
+    af.api("PATCH", f"/dags/{SWEEP_DAG_ID}", json={"is_paused": True})
