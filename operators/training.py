@@ -500,7 +500,10 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         reason = f"deferral ended: {getattr(error, 'value', error)}; JobSet deleted"
         handle = JobSetHandle.from_dict(saved["handle"])
         hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
-        status = hook.cancel(handle)
+        try:
+            status = hook.cancel(handle)
+        finally:
+            hook.close()
         self.log.warning("JobSet %s: %s (%s)", handle.name, reason, status.message)
         deferred.fail(saved.get("execution_id"), TrainingFailed(reason), saved["lease"])
 
@@ -512,7 +515,10 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         saved = _read_json(handle_file(output)) or {}
         try:
             hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
-            hook.cancel(JobSetHandle.from_dict(handle))
+            try:
+                hook.cancel(JobSetHandle.from_dict(handle))
+            finally:
+                hook.close()
         except Exception:
             self.log.exception("could not delete JobSet %s", handle.get("name"))
 

@@ -6,7 +6,8 @@ bits/byte; NaN or None for a diverged or failed cell). Two fits, as Hoffmann et 
 made them, and as the Epoch AI replication (Besiroglu et al., 2024) checked them:
 
 * **Approach 2** (:func:`fit_isoflop`): per budget, a robust (Huber) parabola of L against
-  log N, and one against log D; their minima give N*(C), D*(C), L*(C), which are then fitted
+  log N, and one against log D, through the cells around the curve's lowest one (within
+  :data:`PARABOLA_SPAN` in N); their minima give N*(C), D*(C), L*(C), which are then fitted
   as power laws across budgets (``N* = k C^a``, a line in log-log).
 * **Approach 3** (:func:`fit_parametric`): ``L(N, D) = E + A / N^alpha + B / D^beta`` by the
   Huber loss (delta 1e-3) on log L, ``LSE(a - alpha log N, b - beta log D, e)`` against
@@ -47,6 +48,10 @@ __all__ = [
 
 HUBER_DELTA = 1e-3  # Hoffmann et al.'s delta for the Huber loss on log L
 MIN_POINTS_PER_BUDGET = 3  # a parabola needs three
+# A budget's parabola is fitted to the cells within this factor in N of its lowest cell (and
+# at least that cell's neighbours): an IsoFLOP curve is a parabola in log N near its minimum
+# only, and a wide grid's far side (large models on a few hundred steps) rises much faster.
+PARABOLA_SPAN = 4.0
 MIN_BUDGETS = 2  # a power law across budgets needs two (three to say anything)
 
 
@@ -195,6 +200,27 @@ def _parabola_minimum(
     return float(x_min), float(np.polyval([a, b, c], x_min)), (float(a), float(b), float(c))
 
 
+def _around_minimum(group: Sequence[Cell]) -> list[Cell] | str:
+    """The cells a budget's parabolas are fitted to: those within :data:`PARABOLA_SPAN` in N
+    of the lowest cell, and at least its two neighbours; or why there is no minimum to fit
+    (the lowest cell is the smallest or the largest size: the grid does not bracket it)."""
+    ordered = sorted(group, key=lambda c: c.params)
+    low = min(range(len(ordered)), key=lambda i: ordered[i].metric)
+    if low in (0, len(ordered) - 1):
+        side = "smallest" if low == 0 else "largest"
+        return (
+            f"the metric has no minimum inside the sampled sizes (its lowest cell, "
+            f"{ordered[low].key}, is the {side}): widen the grid"
+        )
+    span = math.log(PARABOLA_SPAN)
+    centre = math.log(ordered[low].params)
+    return [
+        c
+        for i, c in enumerate(ordered)
+        if abs(i - low) <= 1 or abs(math.log(c.params) - centre) <= span
+    ]
+
+
 def fit_isoflop(cells: Iterable[Cell]) -> IsoFlopFit:
     """Chinchilla approach 2 on ``cells``; see the module docstring."""
     kept, excluded = usable_cells(cells)
@@ -213,9 +239,13 @@ def fit_isoflop(cells: Iterable[Cell]) -> IsoFlopFit:
                 )
             )
             continue
-        log_n = np.log([c.params for c in group])
-        log_d = np.log([c.tokens for c in group])
-        metric = np.array([c.metric for c in group], dtype=float)
+        window = _around_minimum(group)
+        if isinstance(window, str):
+            excluded.append(Exclusion(f"budget {compute:.3g}", window))
+            continue
+        log_n = np.log([c.params for c in window])
+        log_d = np.log([c.tokens for c in window])
+        metric = np.array([c.metric for c in window], dtype=float)
         over_n = _parabola_minimum(log_n, metric, "log N")
         over_d = _parabola_minimum(log_d, metric, "log D")
         problem = next((m for m in (over_n, over_d) if isinstance(m, str)), None)
@@ -229,7 +259,7 @@ def fit_isoflop(cells: Iterable[Cell]) -> IsoFlopFit:
                 params=math.exp(over_n[0]),
                 tokens=math.exp(over_d[0]),
                 metric=over_n[1],
-                cells=tuple(c.key for c in group),
+                cells=tuple(c.key for c in window),
                 parabola=over_n[2],
             )
         )

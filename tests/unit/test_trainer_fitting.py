@@ -124,7 +124,22 @@ def test_a_grid_that_misses_the_optimum_says_widen_it():
         cells.append(Cell(1e19, n, 1e19 / (6 * n), true_loss(n, 1e19 / (6 * n))))
     fit = fit_isoflop(cells)
     (excluded,) = fit.excluded
-    assert "outside the sampled sizes" in excluded.reason and "widen the grid" in excluded.reason
+    assert "no minimum inside the sampled sizes" in excluded.reason
+    assert "is the smallest" in excluded.reason and "widen the grid" in excluded.reason
+
+
+def test_a_steep_far_side_does_not_bend_the_parabola():
+    """A wide grid's largest models, trained on few tokens, sit far above the parabola of the
+    curve's minimum: the fit goes through the cells near the minimum only."""
+    cells = sweep(noise=0)
+    far = [
+        Cell(1e19, n, 1e19 / (6 * n), true_loss(n, 1e19 / (6 * n)) + 1.5, name=f"far-{i}")
+        for i, n in enumerate(true_optimum(1e19) * np.array([16.0, 48.0]))
+    ]
+    fit = fit_isoflop(cells + far)
+    (optimum,) = [o for o in fit.optima if o.compute == 1e19]
+    assert fit.excluded == () and not {"far-0", "far-1"} & set(optimum.cells)
+    assert optimum.params == pytest.approx(true_optimum(1e19), rel=0.15)
 
 
 @pytest.mark.parametrize(
