@@ -23,7 +23,7 @@ from operators.evaluation import EvaluationOperator
 from operators.params import pipeline_params
 from operators.pipeline import PIPELINE, Role, TaskDef, edges, table_of_contents
 from operators.record import RecordRunOperator
-from operators.settings import schedule_from_env
+from operators.settings import PIPELINE_SCHEDULE_ENV, schedule_from_env
 from operators.split import HeldoutSplitOperator
 from operators.training import TrainingOperator
 from operators.validate import ValidateRunOperator
@@ -51,7 +51,7 @@ with DAG(
     # runs; succeeded steps are cache hits). A weekly run with unchanged inputs is all cache
     # hits: a cheap reproducibility check that also picks up refetched corpora. The
     # platform's to change ($SLIPWAY_PIPELINE_SCHEDULE; `none`: manual runs only).
-    schedule=schedule_from_env("SLIPWAY_PIPELINE_SCHEDULE", "@weekly"),
+    schedule=schedule_from_env(PIPELINE_SCHEDULE_ENV, "@weekly"),
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,

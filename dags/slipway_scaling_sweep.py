@@ -26,7 +26,7 @@ from operators.beam_stage import BeamStageOperator
 from operators.corpora import FetchCorporaOperator
 from operators.pipeline import PIPELINE, Role, edges
 from operators.pipeline.form import schema_of
-from operators.settings import schedule_from_env
+from operators.settings import SWEEP_SCHEDULE_ENV, schedule_from_env
 from operators.split import HeldoutSplitOperator
 from operators.sweep.form import sweep_form_fields
 from operators.sweep_tasks import (
@@ -39,7 +39,7 @@ from operators.sweep_tasks import (
 )
 
 DATA_PLANE = [t for t in PIPELINE if t.role in (Role.VALIDATE, Role.FETCH, Role.BEAM, Role.SPLIT)]
-SCHEDULE = schedule_from_env("SLIPWAY_SWEEP_SCHEDULE", "0 2 * * *")
+SCHEDULE = schedule_from_env(SWEEP_SCHEDULE_ENV, "0 2 * * *")
 # Cells training at once in one night (each is a JobSet: on a cluster, a slice each).
 MAX_ACTIVE_CELLS = int(os.environ.get("SLIPWAY_SWEEP_MAX_ACTIVE_CELLS", "2"))
 CELL_LABEL = "{{ task.cell['label'] }}"

@@ -81,6 +81,8 @@ READ_BY_OPERATORS = frozenset(
         "SLIPWAY_DATA_DIR",
         "SLIPWAY_IMAGE",
         "SLIPWAY_ALLOWED_DATA_ROOTS",
+        "SLIPWAY_PIPELINE_SCHEDULE",
+        "SLIPWAY_SWEEP_SCHEDULE",
         *(
             f"SLIPWAY_ALLOWED_{k}"
             for k in (
@@ -598,6 +600,8 @@ def test_explicit_google_service_account() -> None:
         ({"storage": {"dataDir": ""}}, "/storage/dataDir"),
         ({"storage": {"dataDir": None}}, "missing property 'dataDir'"),
         ({"storage": {"corporaVolume": {"create": True}}}, "'corporaVolume' not allowed"),
+        ({"schedules": {"sweep": "0 2 * *; rm -rf /"}}, "/schedules/sweep"),
+        ({"schedules": {"pipeline": "@sometimes"}}, "/schedules/pipeline"),
     ],
 )
 def test_schema_refuses_bad_values(overrides: dict[str, Any], where: str) -> None:
@@ -617,8 +621,11 @@ def test_schema_accepts_good_variants() -> None:
         },
         lineage={"url": "postgresql+psycopg://lineage@[fd00::3]:5432/lineage?sslmode=verify-full"},
         networkPolicy={"googleApisCidrs": ["199.36.153.4/30"]},
+        schedules={"pipeline": "none", "sweep": "30 3 * * 1-5"},
     )
     data = config_of(objs)
+    assert data["SLIPWAY_PIPELINE_SCHEDULE"] == "none"
+    assert data["SLIPWAY_SWEEP_SCHEDULE"] == "30 3 * * 1-5"
     assert data["SLIPWAY_TRAINER_IMAGE"].endswith(f"/slipway-trainer@{digest}")
     assert data["SLIPWAY_TPU_SLICES"] == "4"
 
