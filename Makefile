@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock requirements-parity.txt 2>/dev/null | sha1sum | cut -c1-12)
 DATA ?= data
 OUT ?= out
 
@@ -16,6 +16,9 @@ $(STAMP):
 	@$(PY) -m pip install --quiet --upgrade pip uv
 	$(UV) pip sync --python $(PY) requirements.lock
 	$(UV) pip install --python $(PY) --no-deps -e .
+	@# The parity tests' references (torch, transformers, lm-eval; requirements-parity.txt):
+	@# pip, constrained by the lock so that nothing the lock pins moves.
+	$(PY) -m pip install --quiet -c requirements.lock -r requirements-parity.txt
 	@# Byte-compile once: with PYTHONDONTWRITEBYTECODE set, every Beam worker process would
 	@# otherwise recompile apache_beam from source (5-9 s each).
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true

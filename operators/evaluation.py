@@ -3,7 +3,10 @@ on one slice of the training topology.
 
 Through the same launch path as training (:mod:`operators.launching`), over the held-out store
 of each source and the eval sets tokenized as prose (LAMBADA); one result file per store under
-the step's output, recorded in lineage as eval results.
+the step's output, recorded in lineage as eval results. With the form's ``eval_tasks``, the same
+launch scores the benchmarks (``trainer/tasks.py``): ``results/benchmark-<task>.json`` each, the
+per-example scores under ``benchmarks/``, and ``benchmarks`` in the task's result (the gate
+reads it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
 from operators.steps import Step, StepResult, StepSpec, join, output_path
 from trainer.rundir import last_checkpoint
 from trainer.rundir import read_json as _read_json
+
+BENCHMARK_PREFIX = "benchmark-"  # results/benchmark-<task>.json, lineage role benchmark-<task>
 
 
 class EvaluationOperator(StepLineageMixin, BaseOperator):
@@ -92,6 +97,11 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         args += ["--tokenizer", c["tokenizer"]]
         for path in stores.values():
             args += ["--store", path]
+        tasks = list(c.get("tasks") or [])
+        if tasks:  # benchmarks: per-example scores kept beside the results
+            args += ["--tasks", ",".join(tasks), "--task-data", spec.unversioned["task_data"]]
+            args += ["--limit", str(c.get("task_limit") or 0)]
+            args += ["--details", join(out, "benchmarks")]
         gke = is_gke(spec)
         launch = trainer_launch(
             jobset_name("eval", spec),
@@ -127,21 +137,46 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
                 raise TrainingFailed(f"evaluation has no result for {name} ({path})")
             results[name] = {k: r.get(k) for k in ("tokens", "loss", "perplexity", "bits_per_byte")}
             write_json(join(out, "results", f"{name}.json"), {"store": path, **results[name]})
-        return {"checkpoint": ckpt[1], "step": body["step"], "results": results}
+        benchmarks = dict(body.get("benchmarks") or {})
+        missing = [t for t in tasks if t not in benchmarks]
+        if missing:
+            raise TrainingFailed(f"evaluation has no result for the task(s) {missing}")
+        for task, metrics in benchmarks.items():
+            write_json(join(out, "results", f"{BENCHMARK_PREFIX}{task}.json"), metrics)
+        return {
+            "checkpoint": ckpt[1],
+            "step": body["step"],
+            "results": results,
+            "benchmarks": benchmarks,
+        }
 
     @staticmethod
     def _outputs(spec: StepSpec, result: StepResult) -> list[ArtifactRef]:
         from operators.lineage import ArtifactType
 
         r = dict(result.result or {})
-        return [
+        props = {"properties": {"checkpoint": r.get("checkpoint")}}
+        stores = [
             ArtifactRef(
                 join(spec.output_path, "results", f"{name}.json"),
                 ArtifactType.EVAL_RESULT,
                 role=name,
-                fields={"counts": metrics, "properties": {"checkpoint": r.get("checkpoint")}},
+                fields={"counts": metrics, **props},
             )
             for name, metrics in (r.get("results") or {}).items()
+        ]
+        numeric = (int, float)
+        return stores + [
+            ArtifactRef(
+                join(spec.output_path, "results", f"{BENCHMARK_PREFIX}{task}.json"),
+                ArtifactType.EVAL_RESULT,
+                role=f"{BENCHMARK_PREFIX}{task}",
+                fields={
+                    "counts": {k: v for k, v in m.items() if isinstance(v, numeric)},
+                    **props,
+                },
+            )
+            for task, m in (r.get("benchmarks") or {}).items()
         ]
 
     def on_kill(self) -> None:

