@@ -1,9 +1,13 @@
-"""Slipway: raw text -> clean documents -> tokenizer -> token stores -> trained, evaluated model.
+"""Slipway: raw text -> clean documents -> tokenizer -> token stores -> trained, evaluated,
+promoted model.
 
 Trigger it from the UI form (every field is JSON-schema validated; bad values are refused
-before the run starts) or ``airflow dags test slipway_pipeline``. Every task is a
-content-addressed step: a rerun or backfill skips what already succeeded (lineage CACHED)
-and training resumes from its last checkpoint. See docs/orchestration.md.
+before the run starts) or ``airflow dags test slipway_pipeline``. Every data, training and
+evaluation task is a content-addressed step: a rerun or backfill skips what already succeeded (lineage CACHED)
+and training resumes from its last checkpoint. The ``gate`` task promotes a model that meets
+the form's criteria: a lineage record and an event of the Asset ``slipway://models/<name>``
+(through the alias ``slipway-models``), which other DAGs can schedule on. See
+docs/orchestration.md.
 
 The tasks and their edges are the pipeline's one table (``operators/pipeline/definition.py``); this file
 says which operator runs each role.
@@ -20,6 +24,7 @@ from airflow.sdk import DAG, BaseOperator
 from operators.beam_stage import BeamStageOperator
 from operators.corpora import FetchCorporaOperator
 from operators.evaluation import EvaluationOperator
+from operators.gate import GateOperator
 from operators.params import pipeline_params
 from operators.pipeline import PIPELINE, Role, TaskDef, edges, table_of_contents
 from operators.record import RecordRunOperator
@@ -39,6 +44,7 @@ def operator_for(task: TaskDef) -> BaseOperator:
         Role.SPLIT: HeldoutSplitOperator,
         Role.TRAIN: TrainingOperator,
         Role.EVALUATE: EvaluationOperator,
+        Role.GATE: GateOperator,
         Role.RECORD: RecordRunOperator,
     }[task.role]
     return operator(task_id=task.task_id, doc_md=task.summary)

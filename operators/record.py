@@ -11,7 +11,9 @@ summary to lineage (an execution ``record`` with a ``run_summary`` artifact, als
   and its marker on storage;
 * which step failed and why (the first failure in pipeline order; later ones listed too);
 * what a rerun would skip (SUCCESS markers: cache hits), what it would rerun, and where the
-  training would resume (its last committed checkpoint).
+  training would resume (its last committed checkpoint);
+* the promotion gate's outcome (``gate``): the model promoted and its version, or the table of
+  the criteria it failed (a failed gate fails the run; the summary is written first).
 
 It then fails if anything upstream failed: as the DAG's only leaf, a success here would
 otherwise mark a failed run successful.
@@ -122,6 +124,18 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             self.log.warning("train did not record its ending within %.0f s", KILLED_TRAIN_GRACE_S)
         return ex
 
+    @staticmethod
+    def _gate(executions: list[Any], task_states: dict[str, str]) -> dict[str, Any]:
+        """The promotion gate's outcome: its last execution (promoted, or the table of failed
+        criteria), else NOT_RUN with the task's Airflow state (upstream_failed when evaluate
+        failed)."""
+        from operators.promotion import gate_outcome
+
+        found = gate_outcome(executions)
+        if found is None:
+            return {"state": "NOT_RUN", "task_state": task_states.get("gate"), "promoted": False}
+        return found
+
     def summarize(self, context: Any) -> dict[str, Any]:
         from operators.lineage import ExecutionState
         from operators.settings import write_run_file
@@ -152,8 +166,15 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             else:
                 graph_error = None
             rows, failed, rerun, skip = [], [], [], []
-            for ex in executions:
-                if ex.name not in [s.name for s in steps] and ex.state == ExecutionState.FAILED:
+            step_names = {s.name for s in steps}
+            # The latest attempt of each task without steps (validate, fetch): one that failed
+            # and then succeeded on a retry is no failure of the run. The gate comes last.
+            for ex in latest.values():
+                if (
+                    ex.name not in step_names
+                    and ex.name != "gate"
+                    and ex.state == ExecutionState.FAILED
+                ):
                     failed.append({"step": ex.name, "error": ex.error})  # e.g. fetch
             for step in steps:
                 ex = latest.get(step.name)
@@ -171,6 +192,9 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
                 if state in ("FAILED", "CANCELED"):
                     failed.append({"step": step.name, "error": ex.error})
                 (skip if marker_status == "SUCCESS" else rerun).append(step.key)
+            gate = self._gate(executions, task_states)
+            if gate["state"] in ("FAILED", "CANCELED"):
+                failed.append({"step": "gate", "error": gate["error"]})
             failed_tasks = sorted(
                 t for t, s in task_states.items() if s in ("failed", "upstream_failed")
             )
@@ -193,6 +217,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
                 "state": "FAILED" if failed else "SUCCESS",
                 "failed": failed,
                 "steps": rows,
+                "gate": gate,
                 "task_states": task_states,
                 "canceled_executions": closed["CANCELED"],
                 "failed_unreported_executions": closed["FAILED"],

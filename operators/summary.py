@@ -1,8 +1,9 @@
 """Print what a pipeline run did, from lineage: ``python -m operators.summary [RUN_ID]``.
 
 Documents in/out per stage with drop reasons, tokens per store, loss at start and end,
-evaluation metrics, the lineage run id and where the outputs are. Exit status 1 when the run
-failed. The latest run of ``slipway_pipeline`` by default. ``make demo`` calls it.
+evaluation metrics, the lineage run id and where the outputs are, then the promotion gate's
+outcome. Exit status 1 when the run failed. The latest run of ``slipway_pipeline`` by default.
+``make demo`` calls it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from operators.lineage import (
 )
 from operators.lineage.render import render_run, run_failed
 from operators.lineage.url import redacted
+from operators.promotion import gate_line, gate_outcome
 from operators.settings import storage_root
 
 PIPELINE = "slipway_pipeline"
@@ -43,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_id = runs[0].run_id
         graph = store.run_graph(run_id)
         print(render_run(graph, lineage=store.display_url, outputs_root=storage_root()))
+        line = gate_line(gate_outcome([node.execution for node in graph.steps]))
+        if line is not None:
+            print(f"\n{line}")
     return 1 if run_failed(graph) else 0
 
 

@@ -30,6 +30,7 @@ class Role(enum.StrEnum):
     SPLIT = "split"  # clean documents -> per-source train / held-out files
     TRAIN = "train"  # the trainer, as a JobSet
     EVALUATE = "evaluate"  # held-out loss, perplexity, bits/byte
+    GATE = "gate"  # promote the model if it meets the form's criteria (no step: not cached)
     RECORD = "record"  # the run summary, whatever happened (the DAG's only leaf)
 
 
@@ -71,7 +72,18 @@ PIPELINE: tuple[TaskDef, ...] = (
         ("tokenize", "train", "train_tokenizer"),
         "held-out loss, perplexity and bits/byte per store",
     ),
-    TaskDef("record", Role.RECORD, ("evaluate",), "the run summary in lineage, whatever happened"),
+    TaskDef(
+        "gate",
+        Role.GATE,
+        ("evaluate",),
+        "promote the model (lineage, Asset slipway://models/<name>) if it meets the criteria",
+    ),
+    TaskDef(
+        "record",
+        Role.RECORD,
+        ("evaluate", "gate"),
+        "the run summary in lineage, whatever happened",
+    ),
 )
 
 TASKS: dict[str, TaskDef] = {t.task_id: t for t in PIPELINE}

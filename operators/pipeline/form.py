@@ -8,7 +8,7 @@ cannot express rules across fields (a topology offered for the chosen TPU type, 
 are not all zero), so :func:`check_run_config` does those; the DAG's first task calls it and
 fails in seconds, before any data is read.
 
-Why over 500 lines: most of it is the form itself (about 180 lines of field schemas, titles and
+Why over 500 lines: most of it is the form itself (about 240 lines of field schemas, titles and
 descriptions the UI shows); the checks across fields belong beside the fields they relate.
 
 A platform deploy pre-fills the form: the training fields' defaults come from the Helm
@@ -32,8 +32,10 @@ from typing import Any
 
 from operators import naming
 from operators.pipeline.definition import STAGES
+from operators.promotion import HELDOUT_PREFIX, MODEL_NAME_BODY
 from operators.settings import absolute
 from trainer.shapes import PRESETS
+from trainer.tasks import TASK_NAMES
 
 # Training corpora `pipelines.corpora.fetch` knows (data/raw/<name>.jsonl.gz).
 SOURCES = ("brown", "factbook", "fortunes", "python-stdlib", "spam-assassin")
@@ -42,6 +44,19 @@ MODEL_PRESETS = tuple(PRESETS)  # trainer/shapes.py: JAX-free, cheap at parse ti
 ACCELERATORS = ("cpu", "v4", "v5e", "v5p", "v6e", "tpu7x")
 BACKENDS = ("local", "gke")
 RUNNERS = ("DirectRunner", "DataflowRunner")
+
+# The benchmark tasks a run evaluates by default: the zero-shot suite (MMLU's 5-shot variant
+# is left to those who ask for it: five worked examples in every prompt).
+DEFAULT_EVAL_TASKS = (
+    "arc_easy",
+    "arc_challenge",
+    "boolq",
+    "hellaswag",
+    "piqa",
+    "winogrande",
+    "lambada_openai",
+    "mmlu",
+)
 
 DEFAULT_MIXTURE = [
     {"name": "brown", "weight": 0.35},
@@ -148,6 +163,7 @@ DATA_DIR_PATTERN = full_match(
     rf"|/|(/{_LOCAL_PART})+/?|gs://[a-z0-9][a-z0-9._-]{{1,220}}[a-z0-9](/{_GCS_PART})*/?"
 )
 TOPOLOGY_PATTERN = full_match(r"[0-9]+(x[0-9]+){0,2}")
+MODEL_NAME_PATTERN = full_match(MODEL_NAME_BODY)
 
 
 def field(default: Any, **schema: Any) -> dict[str, Any]:
@@ -322,6 +338,60 @@ def _form(platform: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         ),
         "eval_max_tokens": field(
             65_536, type="integer", minimum=1, title="Eval tokens per store (cap)"
+        ),
+        "eval_tasks": field(
+            list(DEFAULT_EVAL_TASKS),
+            type="array",
+            uniqueItems=True,
+            items={"type": "string", "enum": list(TASK_NAMES)},
+            title="Benchmark tasks",
+            description="lm-evaluation-harness tasks the evaluate step scores the model on "
+            "(trainer/tasks.py), besides the held-out stores' bits/byte. Empty: none.",
+        ),
+        "eval_task_limit": field(
+            200,
+            type="integer",
+            minimum=1,
+            title="Examples per benchmark task",
+            description="The first N examples of each task's set (MMLU: round-robin over its "
+            "subjects).",
+        ),
+        "model_name": field(
+            "slipway-demo",
+            type="string",
+            pattern=MODEL_NAME_PATTERN,
+            title="Model name",
+            description="What the gate promotes the model as: the Airflow Asset "
+            "slipway://models/<name> and its lineage record. Lowercase letters, digits and "
+            "'-', at most 63.",
+        ),
+        "gate_max_bits_per_byte": field(
+            None,
+            type=["number", "null"],
+            exclusiveMinimum=0,
+            title="Gate: maximum held-out bits/byte",
+            description="Empty: no such criterion. Otherwise the mean bits/byte over the "
+            f"held-out stores ({HELDOUT_PREFIX}<source>, one per training source) must be at "
+            "most this.",
+        ),
+        "gate_min_accuracy": field(
+            {},
+            type="object",
+            title="Gate: minimum accuracy per task",
+            description='Task -> minimum acc in [0, 1], e.g. {"arc_easy": 0.3}; each task '
+            "must be in eval_tasks. A task without a result fails the gate.",
+            properties={t: {"type": "number", "minimum": 0, "maximum": 1} for t in TASK_NAMES},
+            additionalProperties=False,
+        ),
+        "gate_max_regression": field(
+            None,
+            type=["number", "null"],
+            minimum=0,
+            title="Gate: maximum regression against the promoted model",
+            description="Empty: no such criterion. Otherwise no held-out store's bits/byte "
+            "above, and no task's acc below, the currently promoted model of this name's by "
+            "more than this (absolute), over the stores and tasks both have; with none "
+            "promoted yet it passes.",
         ),
         "data_dir": field(
             # The platform's folder, shown in the form: an empty required field would keep
@@ -531,6 +601,13 @@ def check_run_config(
         problems.append(
             f"warmup_steps: {params['warmup_steps']} is more than steps ({params['steps']})"
         )
+    eval_tasks = params.get("eval_tasks") or []
+    for task in sorted(params.get("gate_min_accuracy") or {}):
+        if task not in eval_tasks:
+            problems.append(
+                f"gate_min_accuracy.{task}: the gate needs its result, but {task} is not in "
+                f"eval_tasks ({', '.join(eval_tasks) or 'none'})"
+            )
     if params["fail_at_step"] and params["fail_at_step"] >= params["steps"]:
         problems.append(
             f"fail_at_step: {params['fail_at_step']} must be below steps ({params['steps']})"

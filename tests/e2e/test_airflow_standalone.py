@@ -105,7 +105,12 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
         f"/dags/{DAG_ID}/clearTaskInstances",
         json={"dry_run": False, "dag_run_id": "e2e_fault", "only_failed": True},
     )
-    assert {ti["task_id"] for ti in cleared["task_instances"]} == {"train", "evaluate", "record"}
+    assert {ti["task_id"] for ti in cleared["task_instances"]} == {
+        "train",
+        "evaluate",
+        "gate",
+        "record",
+    }
     t0 = time.monotonic()
     time.sleep(3)  # let the scheduler pick the cleared run up
     state = af.wait_run("e2e_fault")

@@ -1,7 +1,8 @@
 """`airflow dags test slipway_pipeline` on tiny synthetic corpora, in a throwaway Airflow home.
 
 One scenario: a first run (every step COMPLETE in lineage, OpenLineage events from the
-provider's file transport), a second (every step CACHED, nothing recomputed), then ``slices: 2``
+provider's file transport, the gate promoting the model with the default criteria: lineage and
+the Asset event), a second (every step CACHED, nothing recomputed), then ``slices: 2``
 from the form (2x1 and 2x2 processes) trains and evaluates with the one-process loss curve. (A run failed by
 fault injection, cleared and resumed is ``tests/e2e/test_airflow_standalone.py``'s, on a real
 ``airflow standalone``.)
@@ -92,6 +93,23 @@ def openlineage_events(env, run_id: str) -> list[dict]:
     ]
 
 
+def model_asset_events(env, name: str = "slipway-demo") -> list[dict]:
+    """The Airflow Asset events of ``slipway://models/<name>`` (the gate's, through its alias),
+    read from the Airflow home's metadata database."""
+    import sqlite3
+
+    db = sqlite3.connect(Path(env["AIRFLOW_HOME"]) / "airflow.db")
+    try:
+        rows = db.execute(
+            "SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+            "WHERE a.uri = ? ORDER BY e.id",
+            (f"slipway://models/{name}",),
+        ).fetchall()
+    finally:
+        db.close()
+    return [json.loads(extra) if isinstance(extra, str) else extra for (extra,) in rows]
+
+
 def _first_run_completes(env):
     run1, log = dags_test(env)
     s1, nodes = states(env, run1)
@@ -99,11 +117,33 @@ def _first_run_completes(env):
         -5000:
     ]
     assert s1["fetch"] == "COMPLETE" and s1["record"] == "COMPLETE"
+
+    # The gate, with the form's default criteria (none): passed and promoted the trained run,
+    # in lineage and as an event of the Asset slipway://models/slipway-demo.
+    assert s1["gate"] == "COMPLETE", log[-5000:]
+    (promoted,) = [o.artifact for o in nodes["gate"].outputs]
+    assert (promoted.uri, promoted.type) == ("slipway://models/slipway-demo", "promoted_model")
+    assert promoted.properties["run_id"] == run1
+    assert promoted.properties["model"] == nodes["train"].execution.properties["output"]
+    from operators.lineage import LineageStore
+    from operators.promotion import current_promotion
+
+    with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
+        assert current_promotion(store, "slipway-demo").version == promoted.version
+    events = model_asset_events(env)
+    assert [e.get("version") for e in events] == [promoted.version], events
+    summary = next(o.artifact.properties for o in nodes["record"].outputs)
+    assert summary["gate"]["promoted"] and summary["gate"]["version"] == promoted.version
     ckpt = [o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint"]
     assert ckpt and ckpt[0].counts["loss_end"] is not None
     evals = {o.role: o.artifact.counts for o in nodes["evaluate"].outputs}
-    assert set(evals) == {"heldout-brown", "heldout-fortunes", "eval-lambada"}
-    assert all(c["loss"] > 0 for c in evals.values())
+    # Besides the stores, one result per benchmark task of the form (benchmark-<task>).
+    stores = {r: c for r, c in evals.items() if not r.startswith("benchmark-")}
+    assert set(stores) == {"heldout-brown", "heldout-fortunes", "eval-lambada"}
+    assert all(c["loss"] > 0 for c in stores.values())
+    # The gate judged what evaluate recorded: every task's acc is in the promotion's metrics.
+    tasks = {r.removeprefix("benchmark-") for r in evals if r.startswith("benchmark-")}
+    assert set(promoted.properties["metrics"]["accuracy"]) == tasks
     counts = next(o.artifact.counts for o in nodes["ingest"].outputs)
     assert counts["records_in"] == 120
 
@@ -171,7 +211,11 @@ def test_first_run_completes_second_is_cached_and_multislice_matches(env):
         result = json.loads((Path(output) / "result.json").read_text())
         assert result["status"] == "succeeded" and result["steps"] == 6
         curves[(slices, topology)] = _losses(output)
-        evals = {o.role: o.artifact.counts["loss"] for o in nodes["evaluate"].outputs}
+        evals = {
+            o.role: o.artifact.counts["loss"]
+            for o in nodes["evaluate"].outputs
+            if not o.role.startswith("benchmark-")
+        }
         assert all(v > 0 for v in evals.values()), evals
         for name in ("train", "evaluate"):
             shutil.rmtree(nodes[name].execution.properties["output"])

@@ -39,12 +39,29 @@ def test_dagbag_loads_the_pipeline(dag):
         "tokenize",
         "train",
         "evaluate",
+        "gate",
         "record",
     ]
     record = dag.get_task("record")
     assert record.trigger_rule == "all_done"
     assert [t.task_id for t in dag.leaves] == ["record"]
+    assert record.upstream_task_ids == {"evaluate", "gate"}
     assert dag.schedule == "@weekly"  # time-based: backfill needs it
+
+
+def test_the_gate_sits_between_evaluate_and_record_with_the_models_alias(dag):
+    from airflow.sdk import AssetAlias
+
+    from operators.gate import GateOperator
+
+    gate = dag.get_task("gate")
+    assert isinstance(gate, GateOperator)
+    assert gate.upstream_task_ids == {"evaluate"}
+    assert gate.downstream_task_ids == {"record"}
+    # Runs only after a successful evaluation: nothing to judge otherwise.
+    assert gate.trigger_rule == "all_success"
+    # The asset's name is the form's model_name, known at run time: an alias as the outlet.
+    assert gate.outlets == [AssetAlias("slipway-models")]
 
 
 def test_dag_file_parses_without_heavy_modules():
@@ -57,8 +74,9 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {{"jax", "apache_beam", "tensorstore",
     "pipelines", "sentencepiece", "equinox", "optax"}})
-# Of the trainer, only its JAX-free contract: the preset table and the run directory's layout.
-light = {{"trainer.shapes", "trainer.rundir"}}
+# Of the trainer, only its JAX-free contract: the preset table, the run directory's layout and
+# the benchmark task names (the form's eval_tasks and gate_min_accuracy list them).
+light = {{"trainer.shapes", "trainer.rundir", "trainer.tasks"}}
 heavy += sorted(m for m in sys.modules if m.startswith("trainer.") and m not in light)
 print(json.dumps({{"heavy": heavy,
     "backend": module.dag.params["backend"]}}))
@@ -115,6 +133,21 @@ def test_default_params_are_valid(dag):
         ({"sources": [{"name": "brown"}]}, "sources"),
         ({"runner": "SparkRunner"}, "runner"),
         ({"dataflow": {"region": "us"}}, "dataflow"),
+        ({"model_name": "Slipway"}, "model_name"),
+        ({"model_name": "-demo"}, "model_name"),
+        ({"model_name": "demo/../x"}, "model_name"),
+        ({"model_name": "demo\n"}, "model_name"),
+        ({"model_name": "x" * 64}, "model_name"),
+        ({"gate_max_bits_per_byte": 0}, "gate_max_bits_per_byte"),
+        ({"gate_max_bits_per_byte": "low"}, "gate_max_bits_per_byte"),
+        ({"gate_min_accuracy": {"squad": 0.5}}, "gate_min_accuracy"),
+        ({"gate_min_accuracy": {"piqa": 1.5}}, "gate_min_accuracy"),
+        ({"gate_min_accuracy": {"piqa": -0.1}}, "gate_min_accuracy"),
+        ({"gate_min_accuracy": ["piqa"]}, "gate_min_accuracy"),
+        ({"gate_max_regression": -0.01}, "gate_max_regression"),
+        ({"eval_tasks": ["squad"]}, "eval_tasks"),
+        ({"eval_tasks": ["piqa", "piqa"]}, "eval_tasks"),
+        ({"eval_task_limit": 0}, "eval_task_limit"),
     ],
 )
 def test_bad_values_are_refused_by_airflow_param_validation(dag, conf, field):
@@ -146,6 +179,13 @@ def test_bad_values_are_refused_by_airflow_param_validation(dag, conf, field):
             {"sources": [{"name": "brown", "weight": 1}, {"name": "brown", "weight": 2}]},
             "listed twice",
         ),
+        (  # the gate would fail on "no result": refused before any data is read instead
+            {"eval_tasks": ["piqa"], "gate_min_accuracy": {"piqa": 0.5, "arc_easy": 0.3}},
+            re.escape(
+                "gate_min_accuracy.arc_easy: the gate needs its result, but arc_easy is "
+                "not in eval_tasks (piqa)"
+            ),
+        ),
     ],
 )
 def test_cross_field_checks(dag, conf, message):
@@ -154,6 +194,36 @@ def test_cross_field_checks(dag, conf, message):
     values = _validate(dag, **conf)
     with pytest.raises(RunConfigError, match=message):
         check_run_config(values)
+
+
+def test_gate_criteria_are_accepted(dag):
+    from operators.pipeline.form import check_run_config
+
+    values = _validate(
+        dag,
+        model_name="nano-2",
+        gate_max_bits_per_byte=2.5,
+        gate_min_accuracy={"arc_easy": 0.3, "piqa": 0},
+        gate_max_regression=0,
+        eval_tasks=["arc_easy", "piqa"],
+        eval_task_limit=50,
+    )
+    check_run_config(values)
+    # The defaults: every criterion off (the gate passes and promotes), the zero-shot suite.
+    defaults = _validate(dag)
+    assert (defaults["gate_max_bits_per_byte"], defaults["gate_max_regression"]) == (None, None)
+    assert defaults["gate_min_accuracy"] == {} and defaults["model_name"] == "slipway-demo"
+    assert "mmlu_5shot" not in defaults["eval_tasks"] and defaults["eval_task_limit"] == 200
+
+
+def test_eval_task_names_are_the_trainers():
+    from operators.pipeline.form import DEFAULT_EVAL_TASKS, form_fields
+    from trainer.tasks import TASK_NAMES
+
+    fields = form_fields()
+    assert fields["eval_tasks"]["items"]["enum"] == list(TASK_NAMES)
+    assert set(fields["gate_min_accuracy"]["properties"]) == set(TASK_NAMES)
+    assert set(DEFAULT_EVAL_TASKS) <= set(TASK_NAMES)
 
 
 def test_gke_run_form_is_accepted(dag, monkeypatch):

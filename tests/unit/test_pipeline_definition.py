@@ -44,14 +44,18 @@ def test_step_upstreams_are_exactly_the_table_edges(graph):
     stepped = set(graph.task_steps())
     table = {(u, d) for u, d in edges() if d in stepped}
     assert _step_edges(graph) == table
-    # The tasks without steps: the form's check first, the corpora next, the summary last.
+    # The tasks without steps: the form's check first, the corpora next, the promotion gate
+    # (never cached: it depends on what is promoted now), the summary last.
     assert [t.task_id for t in PIPELINE if t.task_id not in stepped] == [
         "validate",
         "fetch",
+        "gate",
         "record",
     ]
     assert {d for u, d in edges() if u == "validate"} == {"fetch"}
-    assert [t.upstream for t in PIPELINE if t.role is Role.RECORD] == [("evaluate",)]
+    assert [t.upstream for t in PIPELINE if t.role is Role.GATE] == [("evaluate",)]
+    assert [t.upstream for t in PIPELINE if t.role is Role.RECORD] == [("evaluate", "gate")]
+    assert PIPELINE[-1].role is Role.RECORD
 
 
 def test_the_dag_is_built_from_the_table():

@@ -27,7 +27,12 @@ from operators.jobset import names as k8s
 from operators.jobset.catalogue import ShapeError, resolve
 from operators.jobset.gke import ClusterSettings
 from operators.jobset.names import ManifestError
-from operators.pipeline.form import DATA_DIR_PATTERN, TOPOLOGY_PATTERN, RunConfigError
+from operators.pipeline.form import (
+    DATA_DIR_PATTERN,
+    MODEL_NAME_PATTERN,
+    TOPOLOGY_PATTERN,
+    RunConfigError,
+)
 from operators.steps import Step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +78,8 @@ VALIDATORS = [
     ("topology", _raises(lambda v: resolve("v5e", v)), "4x4"),
     ("topology (form)", _pattern(TOPOLOGY_PATTERN), "2x2x4"),
     ("data_dir (form)", _pattern(DATA_DIR_PATTERN), "/srv/corpora"),
+    # It goes into the Asset URI slipway://models/<name> and the lineage record's URI.
+    ("model_name (form)", _pattern(MODEL_NAME_PATTERN), "slipway-demo-2"),
     ("tpu zone", _raises(lambda v: _problems(ClusterSettings(tpu_zone=v))), "us-central2-b"),
     ("step name", _raises(lambda v: Step(v)), "tokens/train/brown"),
 ]
@@ -301,6 +308,17 @@ def test_dataflow_identity_and_image_come_from_the_platform(dag, monkeypatch):
             {"sources": [{"name": "brown", "weight": float("nan")}]},
             "sources[0].weight: must be a finite number",
         ),
+        # The gate's thresholds: every comparison with NaN is false, so it would pass nothing
+        # (or, as a regression margin, everything).
+        (
+            {"gate_max_bits_per_byte": float("nan")},
+            "gate_max_bits_per_byte: must be a finite number",
+        ),
+        (
+            {"gate_min_accuracy": {"piqa": float("nan")}},
+            "gate_min_accuracy.piqa: must be a finite number",
+        ),
+        ({"gate_max_regression": float("nan")}, "gate_max_regression: must be a finite number"),
     ],
 )
 def test_non_finite_numbers_are_refused(dag, conf, named):
@@ -388,6 +406,8 @@ def test_the_validate_task_refuses_before_any_data_and_records_it(dag, tmp_path,
             "gke.gcp_conn_id 'prod_admin' is not allowed",
         ),
         ({"learning_rate": "NaN"}, "learning_rate: must be a finite number"),
+        ({"model_name": "Slipway Demo"}, "model_name"),
+        ({"gate_min_accuracy": {"mmlu_5shot": 0.3}}, "gate_min_accuracy.mmlu_5shot"),
         (
             {"stage_configs": {"decontaminate": {"ngrams": 13}}},
             "stage_configs.decontaminate: unknown config field(s) for DecontaminateConfig: ngrams",
