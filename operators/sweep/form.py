@@ -34,6 +34,16 @@ REPLACED_BY_RECIPE = (
     "seed",
     "fail_at_step",
 )
+# The pipeline's own evaluation and promotion: a sweep's cells are scored on its metric alone
+# and promote nothing (the shared tasks still see the pipeline's defaults: ``with_defaults``).
+PIPELINE_ONLY = (
+    "eval_tasks",
+    "eval_task_limit",
+    "model_name",
+    "gate_max_bits_per_byte",
+    "gate_min_accuracy",
+    "gate_max_regression",
+)
 METRICS = ("loss", "bits_per_byte")
 # A JSON object of form values: the platform's nightly sweep. Scheduled nights run the form's
 # defaults, so this is what a night sweeps, and what the form shows first.
@@ -50,7 +60,8 @@ SWEEP_VOCAB_SIZE = 1024
 def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """The sweep form, field -> {default, schema}: ``make sweep-demo``'s sweep, three budgets
     over a decade and a forecast at 10x, which runs on two cores (docs/scaling.md)."""
-    fields = {k: v for k, v in form_fields(environ).items() if k not in REPLACED_BY_RECIPE}
+    left_out = (*REPLACED_BY_RECIPE, *PIPELINE_ONLY)
+    fields = {k: v for k, v in form_fields(environ).items() if k not in left_out}
     stages = copy.deepcopy(fields["stage_configs"]["default"])
     stages["train_tokenizer"]["vocab_size"] = SWEEP_VOCAB_SIZE
     fields["stage_configs"] = {**fields["stage_configs"], "default": stages}

@@ -149,10 +149,29 @@ TINY_STEPS = frozenset(
 )
 
 
+def _eval_set(task: str, split: str, docs: list[dict], fields) -> list[dict]:
+    """Documents in the layout of the fetched evaluation sets (pipelines/corpora/evalsets.py):
+    the task's split and raw fields in metadata."""
+    rng = random.Random(task)
+    return [{**d, "metadata": {"task": task, "split": split, **fields(d, rng)}} for d in docs]
+
+
+def _piqa_fields(doc: dict, rng: random.Random) -> dict:
+    choices = [_sentence(rng), _sentence(rng)]
+    return {"goal": doc["text"].split(".")[0], "choices": choices, "answer": rng.randint(0, 1)}
+
+
+# The benchmarks a tiny run scores (the form's eval_tasks), on the tiny evaluation sets.
+TINY_EVAL_TASKS = ["piqa", "lambada_openai"]
+
+
 def make_corpora(data_dir: Path, sources: tuple[str, ...] = TINY_SOURCES) -> Path:
     for k, source in enumerate(sources):
         _write(data_dir / "raw" / f"{source}.jsonl.gz", _documents(source, 60, k))
-    _write(data_dir / "eval" / "lambada.jsonl.gz", _documents("lambada", 20, 99))
+    lambada = _eval_set("lambada", "test", _documents("lambada", 20, 99), lambda d, r: {})
+    _write(data_dir / "eval" / "lambada.jsonl.gz", lambada)
+    piqa = _eval_set("piqa", "validation", _documents("piqa", 12, 98), _piqa_fields)
+    _write(data_dir / "eval" / "piqa.jsonl.gz", piqa)
     return data_dir
 
 
@@ -168,6 +187,8 @@ def tiny_conf(data_dir: Path, **overrides: object) -> dict:
         "num_shards": 2,
         "heldout_fraction": 0.1,
         "eval_max_tokens": 512,
+        "eval_tasks": TINY_EVAL_TASKS,
+        "eval_task_limit": 10,
         "stage_configs": {
             "ingest": {},
             "quality": {"sources": {"brown": {"enabled": False}, "fortunes": {"enabled": False}}},
@@ -185,9 +206,10 @@ def tiny_conf(data_dir: Path, **overrides: object) -> dict:
 def tiny_sweep_conf(data_dir: Path, **overrides: object) -> dict:
     """Sweep form for a tiny sweep: the tiny run's data fields, two budgets x three sizes
     (six cells of ~50 steps) and a forecast at 10x."""
-    from operators.sweep.form import REPLACED_BY_RECIPE
+    from operators.sweep.form import PIPELINE_ONLY, REPLACED_BY_RECIPE
 
-    conf = {k: v for k, v in tiny_conf(data_dir).items() if k not in REPLACED_BY_RECIPE}
+    left_out = (*REPLACED_BY_RECIPE, *PIPELINE_ONLY)
+    conf = {k: v for k, v in tiny_conf(data_dir).items() if k not in left_out}
     conf.update(
         {
             "budgets": [1e10, 3e10],
