@@ -24,6 +24,7 @@ from airflow.sdk import DAG, BaseOperator
 from operators.beam_stage import BeamStageOperator
 from operators.corpora import FetchCorporaOperator
 from operators.evaluation import EvaluationOperator
+from operators.export import ExportOperator
 from operators.gate import GateOperator
 from operators.params import pipeline_params
 from operators.pipeline import PIPELINE, Role, TaskDef, edges, table_of_contents
@@ -44,6 +45,7 @@ def operator_for(task: TaskDef) -> BaseOperator:
         Role.SPLIT: HeldoutSplitOperator,
         Role.TRAIN: TrainingOperator,
         Role.EVALUATE: EvaluationOperator,
+        Role.EXPORT: ExportOperator,
         Role.GATE: GateOperator,
         Role.RECORD: RecordRunOperator,
     }[task.role]

@@ -21,10 +21,7 @@ from operators.launching import (
     TRAINER_CONFIG,
     JobSetRunner,
     TrainingFailed,
-    gke_launch_options,
-    is_gke,
-    jobset_name,
-    trainer_launch,
+    run_on_one_slice,
     write_json,
 )
 from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
@@ -33,6 +30,7 @@ from trainer.rundir import last_checkpoint
 from trainer.rundir import read_json as _read_json
 
 BENCHMARK_PREFIX = "benchmark-"  # results/benchmark-<task>.json, lineage role benchmark-<task>
+SAMPLES = "samples"  # results/samples.json, lineage role samples: the fixed prompts' completions
 
 
 class EvaluationOperator(StepLineageMixin, BaseOperator):
@@ -97,32 +95,16 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         args += ["--tokenizer", c["tokenizer"]]
         for path in stores.values():
             args += ["--store", path]
+        if c.get("samples"):
+            args += ["--samples", str(c["samples"])]
         tasks = list(c.get("tasks") or [])
         if tasks:  # benchmarks: per-example scores kept beside the results
             args += ["--tasks", ",".join(tasks), "--task-data", spec.unversioned["task_data"]]
             args += ["--limit", str(c.get("task_limit") or 0)]
             args += ["--details", join(out, "benchmarks")]
-        gke = is_gke(spec)
-        launch = trainer_launch(
-            jobset_name("eval", spec),
-            params,
-            command=("python", "-m", "trainer.evaluate"),
-            args=tuple(args),
-            # One slice of the training topology: with the replica axis across slices, each
-            # slice holds the whole model, and evaluation needs no more than a slice.
-            slices=1,
-            max_restarts=0,
-            **(gke_launch_options(spec, params) if gke else {}),
+        self._jobset, status = run_on_one_slice(
+            self, spec, params, kind="eval", module="trainer.evaluate", args=args
         )
-        if gke:
-            from operators.pipeline.form import gke_cluster
-
-            # Evaluation takes minutes: it polls from the worker (no deferral), 10 s apart.
-            self._jobset = JobSetRunner(self, "gke", gke_cluster(params))
-            status = self._jobset.run(launch.render(), poll_seconds=10.0)
-        else:
-            self._jobset = JobSetRunner(self, spec.unversioned.get("backend", "local"))
-            status = self._jobset.run(launch.render())
         body = _read_json(eval_json)
         if not status.succeeded or body is None:
             raise TrainingFailed(
@@ -143,11 +125,15 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
             raise TrainingFailed(f"evaluation has no result for the task(s) {missing}")
         for task, metrics in benchmarks.items():
             write_json(join(out, "results", f"{BENCHMARK_PREFIX}{task}.json"), metrics)
+        samples = body.get("samples")
+        if samples is not None:
+            write_json(join(out, "results", f"{SAMPLES}.json"), samples)
         return {
             "checkpoint": ckpt[1],
             "step": body["step"],
             "results": results,
             "benchmarks": benchmarks,
+            "samples": samples,
         }
 
     @staticmethod
@@ -155,29 +141,27 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         from operators.lineage import ArtifactType
 
         r = dict(result.result or {})
-        props = {"properties": {"checkpoint": r.get("checkpoint")}}
-        stores = [
-            ArtifactRef(
-                join(spec.output_path, "results", f"{name}.json"),
-                ArtifactType.EVAL_RESULT,
-                role=name,
-                fields={"counts": metrics, **props},
-            )
+        checkpoint = {"checkpoint": r.get("checkpoint")}
+
+        def result_file(name: str, **fields: Any) -> ArtifactRef:
+            uri = join(spec.output_path, "results", f"{name}.json")
+            return ArtifactRef(uri, ArtifactType.EVAL_RESULT, role=name, fields=fields)
+
+        refs = [
+            result_file(name, counts=metrics, properties=checkpoint)
             for name, metrics in (r.get("results") or {}).items()
         ]
-        numeric = (int, float)
-        return stores + [
-            ArtifactRef(
-                join(spec.output_path, "results", f"{BENCHMARK_PREFIX}{task}.json"),
-                ArtifactType.EVAL_RESULT,
-                role=f"{BENCHMARK_PREFIX}{task}",
-                fields={
-                    "counts": {k: v for k, v in m.items() if isinstance(v, numeric)},
-                    **props,
-                },
+        refs += [
+            result_file(
+                f"{BENCHMARK_PREFIX}{task}",
+                counts={k: v for k, v in m.items() if isinstance(v, int | float)},
+                properties=checkpoint,
             )
             for task, m in (r.get("benchmarks") or {}).items()
         ]
+        if r.get("samples"):
+            refs.append(result_file(SAMPLES, properties={**checkpoint, **r["samples"]}))
+        return refs
 
     def on_kill(self) -> None:
         if self._jobset is not None:

@@ -65,6 +65,12 @@ class GateOperator(StepLineageMixin, BaseOperator):
             )
         return {"output": state.path, **dict(state.status.result or {})}
 
+    def export_folder(self, context: Mapping[str, Any]) -> str | None:
+        """The Hugging Face folder the ``export`` task wrote (its XCom), None without one."""
+        ti = context.get("ti")
+        pulled = ti.xcom_pull(task_ids="export") if ti is not None else None
+        return pulled.get("hf_dir") if isinstance(pulled, Mapping) else None
+
     def _inputs(self, context: Mapping[str, Any], evaluation: Mapping[str, Any]) -> list[Any]:
         """What the gate read, for lineage: the trained run and the eval results it judged."""
         from operators.evaluation import BENCHMARK_PREFIX
@@ -169,6 +175,7 @@ class GateOperator(StepLineageMixin, BaseOperator):
                 checkpoint=evaluation.get("checkpoint"),
                 step=evaluation.get("step"),
                 decision=decision,
+                export=self.export_folder(context),
             )
             store.finish_execution(
                 execution,
@@ -187,6 +194,7 @@ class GateOperator(StepLineageMixin, BaseOperator):
             "run_id": run_id,
             "model": model,
             "checkpoint": promoted.checkpoint,
+            "export": promoted.export,
             "heldout_bits_per_byte": metrics.mean_bits_per_byte,
         }
         context["outlet_events"][AssetAlias(MODELS_ALIAS)].add(Asset(promoted.uri), extra=extra)

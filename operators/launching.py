@@ -132,6 +132,39 @@ def gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, A
     return options
 
 
+def run_on_one_slice(
+    operator: BaseOperator,
+    spec: StepSpec,
+    params: Mapping[str, Any],
+    *,
+    kind: str,
+    module: str,
+    args: list[str],
+) -> tuple[JobSetRunner, Any]:
+    """``python -m <module> <args>`` as a JobSet on one slice of the run's topology, local or
+    GKE, to its end: (the runner, kept for ``on_kill``, and its final status). What
+    evaluation and export launch: with the replica axis across slices each slice holds the
+    whole model, and neither needs more than one. Minutes long: polled from the worker, 10 s
+    apart on GKE, without deferral."""
+    gke = is_gke(spec)
+    launch = trainer_launch(
+        jobset_name(kind, spec),
+        params,
+        command=("python", "-m", module),
+        args=tuple(args),
+        slices=1,
+        max_restarts=0,
+        **(gke_launch_options(spec, params) if gke else {}),
+    )
+    if gke:
+        from operators.pipeline.form import gke_cluster
+
+        runner = JobSetRunner(operator, "gke", gke_cluster(params))
+        return runner, runner.run(launch.render(), poll_seconds=10.0)
+    runner = JobSetRunner(operator, spec.unversioned.get("backend", "local"))
+    return runner, runner.run(launch.render())
+
+
 def write_json(path: str, body: Any) -> None:
     import fsspec
 

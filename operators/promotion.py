@@ -35,10 +35,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from operators.lineage.schema import ArtifactType
+
 # Held-out stores are named heldout-<source> by the step graph (operators/pipeline/graph.py).
 HELDOUT_PREFIX = "heldout-"
-# The lineage artifact type of one promotion (the column is free text: no migration).
-PROMOTED_MODEL = "promoted_model"
+# The lineage artifact type of one promotion.
+PROMOTED_MODEL = ArtifactType.PROMOTED_MODEL
 # The gate's outlet: an alias, because the asset's name is only known at run time (the form's
 # model_name). Downstream DAGs schedule on Asset("slipway://models/<name>") or on the alias.
 MODELS_ALIAS = "slipway-models"
@@ -161,6 +163,7 @@ class Promotion:
     checkpoint: str | None
     metrics: Metrics
     promoted_at: datetime | None
+    export: str | None = None  # the Hugging Face folder, where the model was exported
 
     @classmethod
     def from_artifact(cls, artifact: Any) -> Promotion:
@@ -174,6 +177,7 @@ class Promotion:
             checkpoint=props.get("checkpoint"),
             metrics=Metrics.from_dict(props.get("metrics") or {}),
             promoted_at=artifact.created_at,
+            export=props.get("export"),
         )
 
     def describe(self) -> str:
@@ -419,6 +423,7 @@ def record_promotion(
     checkpoint: str | None,
     step: int | None,
     decision: Decision,
+    export: str | None = None,
 ) -> Promotion:
     """Record the gate execution's output: the promoted model of ``name`` (see the module
     docstring). Returns it as :func:`current_promotion` will now read it."""
@@ -433,6 +438,7 @@ def record_promotion(
         "model": model,
         "checkpoint": checkpoint,
         "step": step,
+        "export": export,  # the Hugging Face folder (trainer/export.py), None for MoE
         "metrics": metrics.to_dict(),
         "gate": decision.to_dict(),
         "previous": None if decision.baseline is None else decision.baseline.version,

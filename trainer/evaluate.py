@@ -18,8 +18,9 @@ Benchmarks: ``--tasks piqa,hellaswag,...`` (``trainer/tasks.py``) with ``--task-
 does (``trainer/scoring.py``): per task ``n``, ``acc``, ``acc_norm`` where the harness reports
 it, their standard errors, the chance level, LAMBADA's perplexity, under ``benchmarks`` in the
 result; ``--limit`` caps the examples per task and ``--details DIR`` keeps one JSONL of
-per-example scores per task. Task names, task data and the tokenizer (its vocabulary against
-the checkpoint's) are checked before any parameter is loaded.
+per-example scores per task. ``--samples N``: greedy completions of N fixed prompts
+(``trainer/generate.py``), under ``samples``. Task names, task data and the tokenizer (its
+vocabulary against the checkpoint's) are checked before any parameter is loaded.
 
 Writes ``output_dir/eval/step-XXXXXXXXX.json`` (or ``--output``) and prints the same JSON.
 Exit codes: 0 ok, 1 failed, 2 invalid config, task, tokenizer or no checkpoint.
@@ -202,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-data", default="", help="folder of the evaluation sets")
     parser.add_argument("--limit", type=int, default=0, help="examples per task (0: all)")
     parser.add_argument("--details", default="", help="folder for per-example task results")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help=f"greedy completions of the first N of {len(SAMPLE_PROMPTS)} fixed prompts",
+    )
     args = parser.parse_args(argv)
     hostmem.keep_step_memory_warm()  # before any JAX backend starts (CPU runs only)
     try:
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         if not stores and not args.tasks:
             raise ConfigError("data.eval_sources", "no held-out store (config or --store)")
         tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+        if not 0 <= args.samples <= len(SAMPLE_PROMPTS):
+            raise ConfigError("samples", f"must be in [0, {len(SAMPLE_PROMPTS)}]")
         benchmarks = _benchmarks(args, cfg, tokenizer)
     except (ConfigError, TaskError, OSError) as e:
         print(f"invalid config: {e}", file=sys.stderr)
@@ -254,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 fixed_length=params.cfg.moe is not None,
             )
             body["benchmarks"] = _run_benchmarks(scorer, tokenizer, benchmarks, args.details)
+        if args.samples:
+            body["samples"] = _samples(params, tokenizer, args.samples, dtype)
     except ConfigError as e:
         print(f"invalid config: {e}", file=sys.stderr)
         return 2
@@ -315,6 +326,38 @@ def _benchmarks(args, cfg: TrainConfig, tokenizer) -> list[tuple[Task, list[Exam
     if args.limit < 0:
         raise ConfigError("limit", "must be >= 0")
     return [(t, load_examples(t, args.task_data, args.limit or None)) for t in tasks]
+
+
+# Fixed prompts for the run's samples, one per kind of text the demo mixture holds (prose,
+# reference, aphorism, code, email): the same prompts every run, so runs compare side by side.
+SAMPLE_PROMPTS = (
+    "The history of the city",
+    "The economy of the country is based on",
+    "A fool and his money",
+    "def read_config(path):\n",
+    "Dear friend, I am writing to",
+)
+SAMPLE_TOKENS = 32
+
+
+def _samples(params: Transformer, tokenizer, n: int, dtype) -> dict[str, Any]:
+    """Greedy completions of the first ``n`` fixed prompts, or why there are none."""
+    from trainer.generate import GenerateError, generate_text
+
+    if tokenizer is None:
+        return {"skipped": "no --tokenizer to encode the prompts"}
+    if jax.process_count() > 1:  # the sampler runs on one process's devices
+        return {"skipped": "samples are drawn in single-process evaluations only"}
+    try:
+        records = generate_text(
+            params, tokenizer, SAMPLE_PROMPTS[:n], max_new_tokens=SAMPLE_TOKENS, dtype=dtype
+        )
+    except GenerateError as e:  # an MoE model: its routing cannot decode a token at a time
+        return {"skipped": str(e)}
+    return {
+        "decoding": f"greedy, up to {SAMPLE_TOKENS} tokens",
+        "completions": [{k: r[k] for k in ("prompt", "completion", "stopped")} for r in records],
+    }
 
 
 def _run_benchmarks(scorer, tokenizer, benchmarks, details: str) -> dict[str, Any]:

@@ -568,14 +568,25 @@ def write_files(out: str, files: dict[str, bytes]) -> None:
 
 
 def load_source_params(source: Source) -> Any:
-    """The checkpoint's parameters (trainer.evaluate.load_params on this process's mesh)."""
+    """The checkpoint's parameters as host numpy arrays: trainer.evaluate.load_params on the
+    launch's mesh, then every leaf gathered whole (a collective: in a multi-host launch each
+    process calls it, and process 0 writes the files)."""
+    import jax
+    from jax.experimental import multihost_utils
+
     from trainer import distributed as dist
     from trainer.evaluate import load_params
 
     dist.initialize(source.cfg.distributed)
     mesh = dist.make_mesh(source.cfg.mesh)
     params, _, _, _ = load_params(source.cfg, source.vocab_size, mesh, source.step)
-    return params
+
+    def host(x: Any) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree_util.tree_map(host, params)
 
 
 def export(cfg: TrainConfig, tokenizer_path: str, out: str, step: int | None = None) -> Source:
@@ -602,7 +613,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         params = load_source_params(source)
-        write_files(args.out, export_files(source, params))
+        import jax
+
+        if jax.process_index() == 0:
+            write_files(args.out, export_files(source, params))
     except Exception:
         traceback.print_exc()
         return 1

@@ -137,6 +137,20 @@ def render_benchmarks(rows: Sequence[tuple[str, Mapping[str, object]]]) -> list[
     return lines
 
 
+SAMPLES_ROLE = "samples"
+
+
+def render_samples(samples: Mapping[str, object]) -> list[str]:
+    """The fixed prompts' completions, one line each (newlines shown as ⏎)."""
+    if samples.get("skipped"):
+        return [f"samples: none ({samples['skipped']})"]
+    lines = [f"samples ({samples.get('decoding', 'greedy')}):"]
+    for c in samples.get("completions") or []:
+        text = (c["prompt"] + "|" + c["completion"]).replace("\n", "⏎")
+        lines.append(f"  {text[:120]}{'…' if len(text) > 120 else ''}")
+    return lines
+
+
 def run_failed(graph: RunGraph) -> bool:
     """The run failed, or its latest attempt of some step did (FAILED or CANCELED)."""
     latest = {node.execution.name: node.execution for node in graph.steps}
@@ -163,6 +177,7 @@ def render_run(
     header = f"{'step':<32}{'state':<10}{'in':>8}{'out':>8}{'dropped':>9}  drop reasons"
     lines += [header, "-" * len(header)]
     tokens, evals, benchmarks, train, outputs, failures = [], [], [], None, [], []
+    samples: dict = {}
     latest = {}
     for node in graph.steps:
         latest[node.execution.name] = node
@@ -196,8 +211,12 @@ def render_run(
                 outputs.append((name, a.uri))
             if a.type == "eval_result" and (out.role or "").startswith(BENCHMARK_ROLE):
                 benchmarks.append((out.role[len(BENCHMARK_ROLE) :], c))
+            elif a.type == "eval_result" and out.role == SAMPLES_ROLE:
+                samples = dict(a.properties or {})
             elif a.type == "eval_result":
                 evals.append((out.role or a.uri, c))
+            if a.type == "hf_export":
+                outputs.append((f"{name} (Hugging Face)", a.uri))
         if not counted:  # a step whose outputs carry no record counts: its state alone
             lines.append(f"{name:<32}{ex.state}")
     if tokens:
@@ -221,6 +240,8 @@ def render_run(
             )
     if benchmarks:
         lines += ["", *render_benchmarks(benchmarks)]
+    if samples:
+        lines += ["", *render_samples(samples)]
     if failures:
         lines += ["", "failures:", *(f"  {f}" for f in failures)]
     lines += ["", f"outputs{f' under {outputs_root}' if outputs_root else ''}:"]

@@ -53,6 +53,8 @@ class ArtifactType(enum.StrEnum):
     MODEL = "model"
     METRICS = "metrics"
     CONFIG = "config"
+    HF_EXPORT = "hf_export"  # a checkpoint as a Hugging Face folder (trainer/export.py)
+    PROMOTED_MODEL = "promoted_model"  # slipway://models/<name>, written by the gate
 
 
 class ContextType(enum.StrEnum):

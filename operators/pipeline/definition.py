@@ -29,7 +29,8 @@ class Role(enum.StrEnum):
     BEAM = "beam"  # a data-plane stage, ``python -m pipelines.<task_id>``
     SPLIT = "split"  # clean documents -> per-source train / held-out files
     TRAIN = "train"  # the trainer, as a JobSet
-    EVALUATE = "evaluate"  # held-out loss, perplexity, bits/byte
+    EVALUATE = "evaluate"  # held-out loss, perplexity, bits/byte, benchmarks, samples
+    EXPORT = "export"  # the trained model as a Hugging Face folder
     GATE = "gate"  # promote the model if it meets the form's criteria (no step: not cached)
     RECORD = "record"  # the run summary, whatever happened (the DAG's only leaf)
 
@@ -70,18 +71,24 @@ PIPELINE: tuple[TaskDef, ...] = (
         "evaluate",
         Role.EVALUATE,
         ("tokenize", "train", "train_tokenizer"),
-        "held-out loss, perplexity and bits/byte per store",
+        "held-out loss, perplexity and bits/byte per store; benchmarks; samples",
+    ),
+    TaskDef(
+        "export",
+        Role.EXPORT,
+        ("train", "train_tokenizer"),
+        "the trained model as a Hugging Face folder (LlamaForCausalLM and its tokenizer)",
     ),
     TaskDef(
         "gate",
         Role.GATE,
-        ("evaluate",),
+        ("evaluate", "export"),
         "promote the model (lineage, Asset slipway://models/<name>) if it meets the criteria",
     ),
     TaskDef(
         "record",
         Role.RECORD,
-        ("evaluate", "gate"),
+        ("evaluate", "export", "gate"),
         "the run summary in lineage, whatever happened",
     ),
 )

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # What each stage's output is, for lineage.
 DATASET, TOKENIZER, TOKEN_STORE = "dataset", "tokenizer", "token_store"
+EVAL_SAMPLES = 5  # greedy completions of trainer.evaluate's fixed prompts, in every run
 EVAL_STORES = ("lambada",)  # eval sets tokenized as held-out prose (data/eval/<name>.jsonl.gz)
 EVAL_STORE_PREFIX = "eval-"  # eval sets tokenized as held-out stores: eval-<name>
 # A stage clears its --output directory before writing, so it writes below the step's output
@@ -67,6 +68,7 @@ class Graph:
     split: Step
     train: Step
     evaluate: Step
+    export: Step
     train_stores: Mapping[str, Step] = field(default_factory=dict)
     eval_stores: Mapping[str, Step] = field(default_factory=dict)
     raw_inputs: Mapping[str, str] = field(default_factory=dict)
@@ -80,6 +82,7 @@ class Graph:
             "split": (self.split,),
             "train": (self.train,),
             "evaluate": (self.evaluate,),
+            "export": (self.export,),
         }
         return {t.task_id: by_task[t.task_id] for t in definition.PIPELINE if t.task_id in by_task}
 
@@ -363,6 +366,7 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
         "stores": {k: stage_output(v) for k, v in eval_stores.items()},
         "tokenizer": stage_output(tok.step, "tokenizer.model"),
         "max_tokens": int(params["eval_max_tokens"]),
+        "samples": EVAL_SAMPLES,
     }
     evaluate_how: dict[str, Any] = {"backend": params["backend"], "image": params["image"]}
     tasks = list(params.get("eval_tasks") or [])
@@ -378,6 +382,11 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
         }
         evaluate_how["task_data"] = join(data, "eval")
     evaluate = Step("evaluate", evaluate_config, unversioned=evaluate_how)
+    export = Step(
+        "export",
+        {"train": output_of(train), "tokenizer": stage_output(tok.step, "tokenizer.model")},
+        unversioned={"backend": params["backend"], "image": params["image"]},
+    )
     return Graph(
         stages={
             **{task_id: (s,) for task_id, s in documents.items()},
@@ -387,6 +396,7 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
         split=split,
         train=train,
         evaluate=evaluate,
+        export=export,
         train_stores=train_stores,
         eval_stores=eval_stores,
         raw_inputs=raw,

@@ -137,9 +137,21 @@ def _first_run_completes(env):
     ckpt = [o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint"]
     assert ckpt and ckpt[0].counts["loss_end"] is not None
     evals = {o.role: o.artifact.counts for o in nodes["evaluate"].outputs}
-    # Besides the stores, one result per benchmark task of the form (benchmark-<task>).
-    stores = {r: c for r, c in evals.items() if not r.startswith("benchmark-")}
+    # Besides the stores, one result per benchmark task of the form (benchmark-<task>) and the
+    # fixed prompts' samples.
+    stores = {r: c for r, c in evals.items() if not r.startswith("benchmark-") and r != "samples"}
     assert set(stores) == {"heldout-brown", "heldout-fortunes", "eval-lambada"}
+    assert {r for r in evals if r.startswith("benchmark-")} == {
+        "benchmark-piqa",
+        "benchmark-lambada_openai",
+    }
+    assert evals["benchmark-piqa"]["n"] == 10 and evals["benchmark-piqa"]["chance"] == 0.5
+    (samples,) = [o.artifact for o in nodes["evaluate"].outputs if o.role == "samples"]
+    assert len(samples.properties["completions"]) == 5, samples.properties
+    # The export: a Hugging Face folder of the checkpoint, named in the promotion.
+    (hf,) = [o.artifact for o in nodes["export"].outputs]
+    assert hf.type == "hf_export" and (Path(hf.uri) / "model.safetensors").is_file()
+    assert promoted.properties["export"] == hf.uri
     assert all(c["loss"] > 0 for c in stores.values())
     # The gate judged what evaluate recorded: every task's acc is in the promotion's metrics.
     tasks = {r.removeprefix("benchmark-") for r in evals if r.startswith("benchmark-")}
@@ -214,7 +226,7 @@ def test_first_run_completes_second_is_cached_and_multislice_matches(env):
         evals = {
             o.role: o.artifact.counts["loss"]
             for o in nodes["evaluate"].outputs
-            if not o.role.startswith("benchmark-")
+            if not o.role.startswith("benchmark-") and o.role != "samples"
         }
         assert all(v > 0 for v in evals.values()), evals
         for name in ("train", "evaluate"):

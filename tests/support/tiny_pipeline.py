@@ -145,6 +145,7 @@ TINY_STEPS = frozenset(
         "tokens/eval/lambada",
         "train",
         "evaluate",
+        "export",
     }
 )
 

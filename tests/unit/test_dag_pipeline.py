@@ -39,13 +39,14 @@ def test_dagbag_loads_the_pipeline(dag):
         "tokenize",
         "train",
         "evaluate",
+        "export",
         "gate",
         "record",
     ]
     record = dag.get_task("record")
     assert record.trigger_rule == "all_done"
     assert [t.task_id for t in dag.leaves] == ["record"]
-    assert record.upstream_task_ids == {"evaluate", "gate"}
+    assert record.upstream_task_ids == {"evaluate", "export", "gate"}
     assert dag.schedule == "@weekly"  # time-based: backfill needs it
 
 
@@ -56,7 +57,7 @@ def test_the_gate_sits_between_evaluate_and_record_with_the_models_alias(dag):
 
     gate = dag.get_task("gate")
     assert isinstance(gate, GateOperator)
-    assert gate.upstream_task_ids == {"evaluate"}
+    assert gate.upstream_task_ids == {"evaluate", "export"}
     assert gate.downstream_task_ids == {"record"}
     # Runs only after a successful evaluation: nothing to judge otherwise.
     assert gate.trigger_rule == "all_success"

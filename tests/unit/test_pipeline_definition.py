@@ -53,8 +53,10 @@ def test_step_upstreams_are_exactly_the_table_edges(graph):
         "record",
     ]
     assert {d for u, d in edges() if u == "validate"} == {"fetch"}
-    assert [t.upstream for t in PIPELINE if t.role is Role.GATE] == [("evaluate",)]
-    assert [t.upstream for t in PIPELINE if t.role is Role.RECORD] == [("evaluate", "gate")]
+    assert [t.upstream for t in PIPELINE if t.role is Role.GATE] == [("evaluate", "export")]
+    assert [t.upstream for t in PIPELINE if t.role is Role.RECORD] == [
+        ("evaluate", "export", "gate")
+    ]
     assert PIPELINE[-1].role is Role.RECORD
 
 

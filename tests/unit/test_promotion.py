@@ -238,15 +238,18 @@ def params(tmp_path):
     return p.validate()
 
 
+EXPORT_DIR = "/steps/export-0000/hf"
+
+
 class _TaskInstance:
-    """What the gate asks of its task instance: the evaluate task's XCom."""
+    """What the gate asks of its task instance: the evaluate and export tasks' XComs."""
 
     def __init__(self, xcom: dict | None) -> None:
         self.xcom, self.try_number = xcom, 1
 
     def xcom_pull(self, task_ids: str) -> dict | None:
-        assert task_ids == "evaluate"
-        return self.xcom
+        assert task_ids in ("evaluate", "export")
+        return self.xcom if task_ids == "evaluate" else {"hf_dir": EXPORT_DIR}
 
 
 def _context(params, run_id: str, xcom: dict | None, **form) -> dict:
@@ -298,6 +301,7 @@ def test_the_gate_promotes_records_and_emits_the_asset_event(home, params):
         assert current.version == result["version"]
         assert current.model == inputs["trained_run"].uri
         assert current.checkpoint == "/steps/train-0000/checkpoints/6"
+        assert current.export == EXPORT_DIR == event.extra["export"]
         assert current.metrics.accuracy == {"piqa": 0.6}
         # What the run summary and `python -m operators.summary` say of it.
         outcome = gate_outcome(store.executions("run-1"))
