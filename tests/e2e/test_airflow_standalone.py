@@ -46,7 +46,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DAG_ID = "slipway_pipeline"
 STEPS = set(TINY_STEPS)
-UPSTREAM = STEPS - {"train", "evaluate"} | {"fetch"}
+UPSTREAM = STEPS - {"train", "evaluate", "export"} | {"fetch"}
 
 
 def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
@@ -91,7 +91,7 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     fails = af.openlineage_events("e2e_fault", "train", "FAIL")
     assert fails, "no OpenLineage FAIL event for train"
     assert any("train-" in d["name"] for d in fails[-1]["outputs"]), fails[-1]
-    assert "evaluate" not in states  # upstream failed: never started
+    assert "evaluate" not in states and "export" not in states  # upstream failed: never started
     assert not [e for e in executions if str(e.state) == "RUNNING"]
     summary = next(o.artifact.properties for o in nodes["record"].outputs)
     assert summary["state"] == "FAILED"
@@ -108,6 +108,7 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     assert {ti["task_id"] for ti in cleared["task_instances"]} == {
         "train",
         "evaluate",
+        "export",
         "gate",
         "record",
     }
@@ -126,6 +127,7 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     names = [e.name for e in executions]
     assert names.count("train") == 2 and names.count("ingest") == 1, names
     assert states["train"] == "COMPLETE" and states["evaluate"] == "COMPLETE"
+    assert states["export"] == "COMPLETE"
     ckpt = next(o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint")
     assert ckpt.uri.endswith("step-000000300")
     assert "resuming from checkpoint" in af.task_log("e2e_fault", "train", 2)
