@@ -42,15 +42,13 @@ import numpy as np
 from jax import Array
 
 from tokenstore import TokenStore
-from trainer import checkpoint as ckpt
 from trainer import distributed as dist
 from trainer import hostmem, rundir
-from trainer.config import ConfigError, TrainConfig, load_config, resolve_model
+from trainer.config import ConfigError, TrainConfig, load_config
 from trainer.kernels import loss_chunk, token_nll
 from trainer.model import Batch, Transformer, jit_document_batch
+from trainer.restore import load_params, replicated
 from trainer.tasks import Example, Task, TaskError, load_examples, parse_tasks
-
-ROUTER_BIAS = "router_bias"  # TrainState.router_bias's leaf in a checkpoint
 
 
 def _eval_step(
@@ -62,51 +60,6 @@ def _eval_step(
     x, _ = params.hidden(inputs, batch.segments, batch.positions, router_bias, dtype)
     nll = token_nll(x, params.head(), targets, chunk)  # never the whole (B, S, V) logits
     return jnp.sum(nll * weights[:, None]), jnp.sum(weights) * targets.shape[1]
-
-
-def load_params(
-    cfg: TrainConfig,
-    vocab_size: int,
-    mesh,
-    step: int | None = None,
-    *,
-    batch_size: int | None = None,
-) -> tuple[Transformer, Array, Any, int]:
-    """(parameters, router bias, parameter shardings, step) of checkpoint ``step`` (default the
-    latest). Only ``params.*`` and ``router_bias`` are read, not the optimizer state.
-    ``batch_size`` (default the training batch) sizes the MoE routing groups: each device's
-    rows of an evaluation batch are one group, as in training. The router bias is the
-    checkpointed quantile-balancing bias; zeros for a dense model or a checkpoint without one."""
-    dp = dist.data_parallel_size(mesh)
-    tokens_per_device = (batch_size or cfg.batch_size) // dp * cfg.seq_len
-    mcfg = resolve_model(cfg.model, vocab_size=vocab_size, tokens_per_device=tokens_per_device)
-    root = rundir.checkpoints_dir(cfg.output_dir)
-    step = ckpt.latest_step(root) if step is None else step
-    if step is None:
-        raise ConfigError("output_dir", f"no complete checkpoint under {root}")
-    abstract = jax.eval_shape(lambda k: Transformer(mcfg, k), jax.random.key(0))
-    shardings = dist.param_shardings(abstract, mesh)
-    target = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    checkpointer = ckpt.Checkpointer(root, process_index=0, process_count=1)
-    params = checkpointer.restore(step, target, prefix="params.")
-    n_experts = mcfg.moe.num_experts if mcfg.moe else 0
-    bias_target = jax.ShapeDtypeStruct(
-        (mcfg.num_layers, n_experts), jnp.float32, sharding=dist.replicated(mesh)
-    )
-    if n_experts and ckpt.has_array(root, step, ROUTER_BIAS):
-        router_bias = checkpointer.restore(step, bias_target, prefix=ROUTER_BIAS)
-    else:  # dense model (nothing to bias), or a checkpoint written without the bias
-        router_bias = _replicated(np.zeros(bias_target.shape, np.float32), bias_target.sharding)
-    checkpointer.close()
-    return params, router_bias, shardings, step
-
-
-def _replicated(x: np.ndarray, sharding) -> Array:
-    """A host array (the same on every process) laid out as ``sharding``, each process handing
-    over the pieces its devices hold, as the evaluation batches are built."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def evaluate_store(
@@ -128,7 +81,7 @@ def evaluate_store(
     if router_bias is None:
         m = params.cfg.moe
         shape = (params.cfg.num_layers, m.num_experts if m else 0)
-        router_bias = _replicated(np.zeros(shape, np.float32), bias_sharding)
+        router_bias = replicated(np.zeros(shape, np.float32), bias_sharding)
     n_windows = min((store.num_tokens - 1) // seq_len, max(1, max_tokens // seq_len))
     if n_windows < 1:
         raise ValueError(f"{store.root}: fewer than seq_len + 1 = {seq_len + 1} tokens")

@@ -568,14 +568,14 @@ def write_files(out: str, files: dict[str, bytes]) -> None:
 
 
 def load_source_params(source: Source) -> Any:
-    """The checkpoint's parameters as host numpy arrays: trainer.evaluate.load_params on the
+    """The checkpoint's parameters as host numpy arrays: trainer.restore.load_params on the
     launch's mesh, then every leaf gathered whole (a collective: in a multi-host launch each
     process calls it, and process 0 writes the files)."""
     import jax
     from jax.experimental import multihost_utils
 
     from trainer import distributed as dist
-    from trainer.evaluate import load_params
+    from trainer.restore import load_params
 
     dist.initialize(source.cfg.distributed)
     mesh = dist.make_mesh(source.cfg.mesh)

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         from trainer import distributed as dist
-        from trainer.evaluate import load_params
+        from trainer.restore import load_params
 
         dist.initialize(cfg.distributed)
         mesh = dist.make_mesh(cfg.mesh)

@@ -26,9 +26,9 @@ from tests.support.trainer_data import (
 from tokenstore import TokenStore
 from trainer import distributed as dist
 from trainer.config import load_config
-from trainer.evaluate import load_params
 from trainer.evaluate import main as eval_main
 from trainer.model import Transformer, document_batch
+from trainer.restore import load_params
 from trainer.train import loss_and_stats
 from trainer.train import main as train_main
 

@@ -1,7 +1,7 @@
 """Hugging Face export and KV-cache generation, without torch or transformers.
 
 A tiny model is initialized and saved as a real checkpoint (the trainer's ``Checkpointer``,
-under the run layout ``trainer.evaluate.load_params`` reads), with a sentencepiece BPE model
+under the run layout ``trainer.restore.load_params`` reads), with a sentencepiece BPE model
 trained like the pipeline's (byte fallback, no dummy prefix, identity normalization). The
 export's refusals, its safetensors names, shapes and layouts, its determinism and its
 tokenizer.json (through the ``tokenizers`` library when installed) are checked here; the
