@@ -13,7 +13,8 @@ summary to lineage (an execution ``record`` with a ``run_summary`` artifact, als
 * what a rerun would skip (SUCCESS markers: cache hits), what it would rerun, and where the
   training would resume (its last committed checkpoint);
 * the promotion gate's outcome (``gate``): the model promoted and its version, or the table of
-  the criteria it failed (a failed gate fails the run; the summary is written first).
+  the criteria it failed (a failed gate fails the run; the summary is written first);
+* the run's self-contained ``report.html`` beside it (``operators/reports/static.py``).
 
 It then fails if anything upstream failed: as the DAG's only leaf, a success here would
 otherwise mark a failed run successful.
@@ -136,6 +137,21 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             return {"state": "NOT_RUN", "task_state": task_states.get("gate"), "promoted": False}
         return found
 
+    def _write_report(self, store: Any, run_id: str, execution: int) -> str | None:
+        """The run's self-contained ``report.html`` (operators/reports/static.py), recorded as
+        an output of ``record``. A report that cannot be written is logged, never fatal: the
+        summary and lineage above are the record of the run."""
+        from operators.reports.static import REPORT_ARTIFACT, write_run_report
+
+        try:
+            path = write_run_report(store, run_id)
+        except Exception:
+            self.log.exception("the run report was not written")
+            return None
+        store.record_output(execution, path, REPORT_ARTIFACT)
+        self.log.info("run report: %s", path)
+        return path
+
     def summarize(self, context: Any) -> dict[str, Any]:
         from operators.lineage import ExecutionState
         from operators.settings import write_run_file
@@ -230,6 +246,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             path = write_run_file(run_id, "summary.json", summary)
             execution = store.start_execution("record", run_id=run_id, pipeline=self.dag_id)
             store.record_output(execution, path, "run_summary", properties=summary)
+            summary["report_path"] = self._write_report(store, run_id, execution)
             store.finish_execution(execution, properties={"state": summary["state"]})
             summary["summary_path"] = path
             return summary

@@ -2,7 +2,8 @@
 
 Documents in/out per stage with drop reasons, tokens per store, loss at start and end,
 evaluation metrics, the lineage run id and where the outputs are, then the promotion gate's
-outcome. Exit status 1 when the run failed. The latest run of ``slipway_pipeline`` by default.
+outcome and the run's ``report.html``. Exit status 1 when the run failed. The latest run of
+``slipway_pipeline`` by default.
 ``make demo`` calls it.
 """
 
@@ -21,6 +22,7 @@ from operators.lineage import (
 from operators.lineage.render import render_run, run_failed
 from operators.lineage.url import redacted
 from operators.promotion import gate_line, gate_outcome
+from operators.reports.static import REPORT_ARTIFACT
 from operators.settings import storage_root
 
 PIPELINE = "slipway_pipeline"
@@ -48,6 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = gate_line(gate_outcome([node.execution for node in graph.steps]))
         if line is not None:
             print(f"\n{line}")
+        reports = [
+            o.artifact.uri
+            for node in graph.steps
+            for o in node.outputs
+            if o.artifact.type == REPORT_ARTIFACT
+        ]
+        if reports:
+            print(f"\nreport: {reports[-1]}  (also under Slipway in the Airflow UI)")
     return 1 if run_failed(graph) else 0
 
 

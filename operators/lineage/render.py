@@ -106,6 +106,16 @@ def _score(value: object, stderr: object) -> str:
     return f"{value:>7.3f}{err:<8}"
 
 
+def near_chance(metrics: Mapping[str, object]) -> bool:
+    """The task's accuracy is within two standard errors of its chance level."""
+    acc, err, chance = metrics.get("acc"), metrics.get("acc_stderr"), metrics.get("chance")
+    return (
+        isinstance(acc, float | int)
+        and isinstance(chance, float | int)
+        and abs(acc - chance) <= 2 * (err if isinstance(err, float | int) else 0.0)
+    )
+
+
 def render_benchmarks(rows: Sequence[tuple[str, Mapping[str, object]]]) -> list[str]:
     """The benchmark table: task, n, shots, acc and acc_norm with standard errors, chance.
     A task whose accuracy is within two standard errors of chance is marked: at the demo's
@@ -116,11 +126,7 @@ def render_benchmarks(rows: Sequence[tuple[str, Mapping[str, object]]]) -> list[
     near = 0
     for task, c in rows:
         acc, err, chance = c.get("acc"), c.get("acc_stderr"), c.get("chance")
-        at_chance = (
-            isinstance(acc, float | int)
-            and isinstance(chance, float | int)
-            and abs(acc - chance) <= 2 * (err if isinstance(err, float | int) else 0.0)
-        )
+        at_chance = near_chance(c)
         near += at_chance
         extra = f"  perplexity {c['perplexity']:.4g}" if c.get("perplexity") is not None else ""
         lines.append(

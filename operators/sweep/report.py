@@ -34,7 +34,7 @@ def render_nights(runs: Sequence[Any]) -> str:
     return "\n".join(lines)
 
 
-def _fit_line(name: str, fit: Mapping[str, Any]) -> str:
+def fit_line(name: str, fit: Mapping[str, Any]) -> str:
     if "error" in fit:
         return f"  {name}: not fitted: {fit['error']}"
     if name == "isoflop":
@@ -75,7 +75,7 @@ def render_night(run_id: str, record: Mapping[str, Any] | None, checks: Sequence
         note = f"  left out: {cell['reason']}" if cell["reason"] else ""
         lines.append(f"  [{cell['index']}] {cell['label']:<32} {metric:>9} {_time(cell):>19}{note}")
     lines += ["", "fits:"]
-    lines += [_fit_line(name, fit) for name, fit in record["fits"].items()]
+    lines += [fit_line(name, fit) for name, fit in record["fits"].items()]
     lines += ["", "forecasts:"]
     by_sha = {c["sha256"]: c for c in checks}
     for forecast in record.get("forecasts") or []:

@@ -1,0 +1,248 @@
+"""One run read as a report: :func:`run_view` turns a lineage :class:`RunGraph` into the rows
+and tables the run page and ``report.html`` show.
+
+A step appears once, as its latest attempt (a cleared and rerun step has several executions;
+the table says how many). Counts come from the step's output artifacts (the manifests'
+records in/out and drops by reason, a token store's tokens); the training, evaluation,
+benchmark and sample records from the artifacts the train and evaluate steps recorded; the
+gate's decision from its execution; what a clear-and-rerun resumes from the ``record`` task's
+run summary (``operators/record.py``), which probed the step markers when the run ended.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from operators.lineage.render import BENCHMARK_ROLE, SAMPLES_ROLE
+from operators.lineage.schema import ArtifactType, ExecutionState
+from operators.lineage.store import ArtifactRecord, ExecutionRecord, RunGraph, StepNode
+from operators.promotion import gate_outcome
+
+TRACEBACK_TAIL_LINES = 12
+RUN_SUMMARY = "run_summary"  # the record task's artifact type (operators/record.py)
+BAD_STATES = (ExecutionState.FAILED, ExecutionState.CANCELED)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step of the run: its latest attempt."""
+
+    name: str
+    state: str
+    attempts: int
+    step_version: str | None
+    duration_s: float | None
+    records_in: int | None = None
+    records_out: int | None = None
+    dropped: Mapping[str, int] = field(default_factory=dict)
+    tokens: int | None = None
+    error: str | None = None
+    traceback_tail: str | None = None
+    resumed_from_step: int | None = None
+    last_checkpoint_step: int | None = None
+
+    @property
+    def cached(self) -> bool:
+        return self.state == ExecutionState.CACHED
+
+    @property
+    def failed(self) -> bool:
+        return self.state in BAD_STATES
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+
+@dataclass(frozen=True)
+class Training:
+    state: str
+    checkpoint: str
+    checkpoint_version: str
+    steps: int | None
+    params: int | None
+    loss_start: float | None
+    loss_end: float | None
+    metrics_path: str | None  # the trainer's metrics.jsonl: the loss curve
+
+    @property
+    def output_dir(self) -> str | None:
+        return posixpath.dirname(self.metrics_path) if self.metrics_path else None
+
+
+@dataclass(frozen=True)
+class RunView:
+    run_id: str
+    pipeline: str | None
+    state: str
+    started_at: Any
+    ended_at: Any
+    counts: Mapping[str, int]
+    steps: tuple[StepRow, ...]
+    training: Training | None
+    evaluations: tuple[tuple[str, Mapping[str, Any]], ...]  # (store role, metrics)
+    benchmarks: tuple[tuple[str, Mapping[str, Any]], ...]  # (task, metrics)
+    samples: Mapping[str, Any]
+    gate: Mapping[str, Any] | None
+    exports: tuple[str, ...]
+    failures: tuple[StepRow, ...]
+    resume: Mapping[str, Any] | None  # the run summary's "resume" (None before record ran)
+    summary_failed: tuple[Mapping[str, Any], ...]  # the run summary's failed steps, first first
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures or self.summary_failed) or self.state in BAD_STATES
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.ended_at is None:
+            return None
+        return (self.ended_at - self.started_at).total_seconds()
+
+    @property
+    def first_failure(self) -> Mapping[str, Any] | None:
+        """The step that failed first (pipeline order, as the run summary says) and why."""
+        if self.summary_failed:
+            return self.summary_failed[0]
+        if self.failures:
+            return {"step": self.failures[0].name, "error": self.failures[0].error}
+        return None
+
+
+def _tail(text: str | None, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
+    if not text:
+        return None
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _step_row(node: StepNode, attempts: int) -> StepRow:
+    ex: ExecutionRecord = node.execution
+    props = dict(ex.properties or {})
+    row: dict[str, Any] = {}
+    tokens = None
+    for link in node.outputs:
+        c = dict(link.artifact.counts or {})
+        if "records_in" in c and "records_out" in c and "records_in" not in row:
+            row = {
+                "records_in": c["records_in"],
+                "records_out": c["records_out"],
+                "dropped": dict(c.get("dropped") or {}),
+            }
+        if link.artifact.type == ArtifactType.TOKEN_STORE and c.get("num_tokens") is not None:
+            tokens = (tokens or 0) + int(c["num_tokens"])
+    return StepRow(
+        name=ex.name,
+        state=str(ex.state),
+        attempts=attempts,
+        step_version=ex.step_version,
+        duration_s=ex.duration_s,
+        tokens=tokens,
+        error=ex.error,
+        traceback_tail=_tail(ex.traceback),
+        resumed_from_step=props.get("resumed_from_step"),
+        last_checkpoint_step=props.get("last_checkpoint_step"),
+        **row,
+    )
+
+
+def _training(node: StepNode) -> Training | None:
+    checkpoint: ArtifactRecord | None = None
+    metrics: str | None = None
+    for link in node.outputs:
+        if link.artifact.type == ArtifactType.CHECKPOINT:
+            checkpoint = link.artifact
+        elif link.artifact.type == ArtifactType.METRICS:
+            metrics = link.artifact.uri
+    if checkpoint is None:
+        return None
+    c = dict(checkpoint.counts or {})
+    return Training(
+        state=str(node.execution.state),
+        checkpoint=checkpoint.uri,
+        checkpoint_version=checkpoint.version,
+        steps=c.get("steps"),
+        params=c.get("params"),
+        loss_start=c.get("loss_start"),
+        loss_end=c.get("loss_end"),
+        metrics_path=metrics,
+    )
+
+
+def _run_state(graph: RunGraph, summary: Mapping[str, Any]) -> str:
+    """The run's state as the runs list shows it (lineage's), but settled by the run summary
+    when there is one: the record task writes the report while its own execution runs."""
+    if not summary:
+        return str(graph.run.state)
+    failed = summary.get("state") == "FAILED"
+    return str(ExecutionState.FAILED if failed else ExecutionState.COMPLETE)
+
+
+def run_view(graph: RunGraph) -> RunView:
+    attempts: dict[str, int] = {}
+    latest: dict[str, StepNode] = {}
+    for node in graph.steps:  # start order: the last attempt of each step wins
+        attempts[node.execution.name] = attempts.get(node.execution.name, 0) + 1
+        latest[node.execution.name] = node
+    summary: Mapping[str, Any] = {}
+    rows, evaluations, benchmarks, exports = [], [], [], []
+    samples: Mapping[str, Any] = {}
+    training = None
+    for name, node in latest.items():
+        for link in node.outputs:
+            a = link.artifact
+            if a.type == RUN_SUMMARY:
+                summary = dict(a.properties or {})
+            elif a.type == ArtifactType.EVAL_RESULT:
+                role = link.role or a.uri
+                if role.startswith(BENCHMARK_ROLE):
+                    benchmarks.append((role[len(BENCHMARK_ROLE) :], dict(a.counts or {})))
+                elif role == SAMPLES_ROLE:
+                    samples = dict(a.properties or {})
+                else:
+                    evaluations.append((role, dict(a.counts or {})))
+            elif a.type == ArtifactType.HF_EXPORT:
+                exports.append(a.uri)
+        found = _training(node)
+        if found is not None and (name == "train" or training is None):
+            training = found
+        if name != "record":  # the run's own summary: not a step of the pipeline
+            rows.append(_step_row(node, attempts[name]))
+    ended_at = graph.run.ended_at
+    if summary and ended_at is None and "record" in latest:
+        # Written by the record task while it runs: the run ended when its summary began.
+        ended_at = latest["record"].execution.started_at
+    return RunView(
+        run_id=graph.run.run_id,
+        pipeline=graph.run.pipeline,
+        state=_run_state(graph, summary),
+        started_at=graph.run.started_at,
+        ended_at=ended_at,
+        counts=dict(graph.run.counts),
+        steps=tuple(rows),
+        training=training,
+        evaluations=tuple(evaluations),
+        benchmarks=tuple(benchmarks),
+        samples=samples,
+        gate=gate_outcome([node.execution for node in graph.steps]),
+        exports=tuple(exports),
+        failures=tuple(r for r in rows if r.failed),
+        resume=summary.get("resume"),
+        summary_failed=tuple(summary.get("failed") or ()),
+    )
+
+
+def loss_curve(training: Training | None) -> list[tuple[int, float]]:
+    """(step, loss) from the trainer's ``metrics.jsonl`` (the last line per step wins, as a
+    resumed run logs steps again); empty when there is no log (not trained yet, or gone)."""
+    if training is None or training.output_dir is None:
+        return []
+    from trainer.rundir import read_metrics
+
+    try:
+        records = read_metrics(training.output_dir)
+    except OSError:
+        return []
+    return [(int(m["step"]), float(m["loss"])) for m in records if m.get("loss") is not None]

@@ -1,0 +1,159 @@
+"""The Slipway pages inside the Airflow UI: a FastAPI app the plugin (``plugins/slipway_plugin.py``)
+mounts on the Airflow API server at ``/slipway``, behind Airflow's own authentication.
+
+Every route depends on Airflow's ``get_user`` (the UI's session cookie, or a bearer token from
+``POST /auth/token``): a request without one is refused, 401, and a browser asking for a page
+is sent to Airflow's login page, which brings it back. The pages themselves are
+``operators/reports``' (no Airflow there); this module only wires them to HTTP.
+
+    /slipway/                       every run, filterable (?pipeline= &state= &q=)
+    /slipway/runs/<run_id>          one run: steps, loss curve, evaluation, benchmarks, samples,
+                                    the promotion decision; a failed run's cause and resume plan
+    /slipway/runs/<run_id>/loss.png the loss curve (matplotlib, server-side)
+    /slipway/runs/<run_id>/report.html  the run's static report, as the run wrote it
+    /slipway/trace?uri=&version=    an artifact traced back to its raw inputs, as a graph
+    /slipway/sweeps[?night=]        the scaling sweep: grid, plots, fits, forecasts vs outcomes
+    /slipway/sweeps/<run_id>/<plot>.png  a night's IsoFLOP or scaling plot
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+from urllib.parse import quote
+
+from airflow.api_fastapi.core_api.security import get_user
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from operators.lineage import LineageStore, NotFound
+from operators.reports import URL_PREFIX, pages
+from operators.reports.plots import loss_png
+from operators.reports.static import report_path
+from operators.reports.view import loss_curve, run_view
+
+PNG_HEADERS = {"Cache-Control": "private, max-age=60"}
+
+app = FastAPI(
+    title="Slipway reports",
+    description="Runs, lineage and sweeps recorded by Slipway, inside the Airflow UI.",
+    dependencies=[Depends(get_user)],
+)
+
+_store: LineageStore | None = None
+_store_lock = threading.Lock()
+
+
+def store() -> LineageStore:
+    """One lineage store per API-server process, opened on first use (never created here: a
+    platform without runs yet has no database, and the pages say so)."""
+    global _store
+    with _store_lock:
+        if _store is None:
+            _store = LineageStore(create=False)
+        return _store
+
+
+def _base(request: Request) -> str:
+    return request.scope.get("root_path", "").rstrip("/") or URL_PREFIX
+
+
+@app.exception_handler(HTTPException)
+async def _login_or_error(request: Request, exc: HTTPException) -> Response:
+    """An unauthenticated browser goes to Airflow's login page and comes back here; API
+    clients (and anything not asking for HTML) get the status."""
+    wants_html = "text/html" in request.headers.get("accept", "")
+    if exc.status_code == 401 and wants_html and request.method == "GET":
+        from airflow.api_fastapi.app import get_auth_manager
+
+        return RedirectResponse(get_auth_manager().get_url_login(next_url=str(request.url)), 302)
+    return Response(exc.detail or "", status_code=exc.status_code, media_type="text/plain")
+
+
+def _no_lineage(exc: Exception) -> HTMLResponse:
+    return HTMLResponse(f"<p>No lineage recorded yet: {exc}</p>", status_code=404)
+
+
+@app.get("/", response_class=HTMLResponse)
+def runs(
+    request: Request,
+    pipeline: str = Query("", max_length=250),
+    state: str = Query("", max_length=20),
+    q: str = Query("", max_length=250),
+) -> Any:
+    try:
+        all_runs = store().runs()
+    except NotFound as exc:
+        return _no_lineage(exc)
+    filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
+    return pages.runs_page(all_runs, _base(request), filters)
+
+
+@app.get("/runs/{run_id}", response_class=HTMLResponse)
+def run(request: Request, run_id: str) -> Any:
+    base = _base(request)
+    try:
+        graph_pipeline = store().run_graph(run_id).run.pipeline
+        body = pages.run_page(
+            store(),
+            run_id,
+            base,
+            loss_src=f"{base}/runs/{quote(run_id, safe='')}/loss.png",
+            airflow_run_url=(
+                f"/dags/{quote(graph_pipeline, safe='')}/runs/{quote(run_id, safe='')}"
+                if graph_pipeline
+                else None
+            ),
+        )
+    except NotFound as exc:
+        raise HTTPException(404, str(exc.args[0])) from exc
+    return body
+
+
+@app.get("/runs/{run_id}/loss.png")
+def loss(run_id: str) -> Response:
+    try:
+        view = run_view(store().run_graph(run_id))
+    except NotFound as exc:
+        raise HTTPException(404, str(exc.args[0])) from exc
+    return Response(
+        loss_png(loss_curve(view.training)), media_type="image/png", headers=PNG_HEADERS
+    )
+
+
+@app.get("/runs/{run_id}/report.html", response_class=HTMLResponse)
+def static_report(run_id: str) -> Any:
+    import fsspec
+
+    try:
+        with fsspec.open(report_path(run_id), "r") as f:
+            return f.read()
+    except FileNotFoundError as exc:
+        raise HTTPException(404, f"run {run_id!r} has not written its report yet") from exc
+
+
+@app.get("/trace", response_class=HTMLResponse)
+def trace(
+    request: Request, uri: str = Query(..., max_length=4096), version: str = Query("")
+) -> Any:
+    try:
+        return pages.trace_page(store(), uri, version or None, _base(request))
+    except NotFound as exc:
+        raise HTTPException(404, str(exc.args[0])) from exc
+
+
+@app.get("/sweeps", response_class=HTMLResponse)
+def sweeps(request: Request, night: str = Query("", max_length=250)) -> Any:
+    try:
+        all_runs = store().runs()
+    except NotFound as exc:
+        return _no_lineage(exc)
+    return pages.sweeps_page(all_runs, _base(request), night or None)
+
+
+@app.get("/sweeps/{run_id}/{plot}.png")
+def sweep_plot(run_id: str, plot: str) -> Response:
+    data = pages.sweep_plot(run_id, plot)
+    if data is None:
+        raise HTTPException(404, f"no {plot} plot for {run_id!r}")
+    return Response(data, media_type="image/png", headers=PNG_HEADERS)

@@ -1,0 +1,155 @@
+"""The report pages from a real lineage store (SQLite): what each page shows is read back
+from what was recorded (``tests/support/report_runs.py``), parsed from the HTML, not grepped."""
+
+from __future__ import annotations
+
+import base64
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from operators.lineage import LineageStore, NotFound
+from operators.reports import pages
+from operators.reports.static import write_run_report
+from operators.reports.view import loss_curve, run_view
+from tests.support.report_runs import TRAIN_STEPS, record_run
+
+
+class Cells(HTMLParser):
+    """Every table row as (row attributes, [cell texts]), and every element's id -> text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[dict, list[str]]] = []
+        self.images: list[dict] = []
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr":
+            self._row = []
+            self.rows.append((a, self._row))
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = []
+        elif tag == "img":
+            self.images.append(a)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None and self._row is not None:
+            self._row.append(" ".join("".join(self._cell).split()))
+            self._cell = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def step_rows(self) -> dict[str, list[str]]:
+        return {a["data-step"]: cells for a, cells in self.rows if "data-step" in a}
+
+
+def parse(body: str) -> Cells:
+    parser = Cells()
+    parser.feed(body)
+    return parser
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
+    with LineageStore(f"sqlite:///{tmp_path}/lineage.db") as s:
+        record_run(s, "good", tmp_path)
+        record_run(s, "bad <script>", tmp_path, fail_train=True)
+        yield s
+
+
+def test_the_run_page_shows_what_lineage_recorded(store):
+    body = pages.run_page(store, "good", "/slipway", loss_src="/slipway/runs/good/loss.png")
+    html = parse(body)
+    graph = store.run_graph("good")
+    rows = html.step_rows()
+    assert set(rows) == {n.execution.name for n in graph.steps} - {"record"}
+    for node in graph.steps:
+        for out in node.outputs:
+            c = out.artifact.counts or {}
+            if "records_in" in c:
+                cells = rows[node.execution.name]
+                assert str(c["records_in"]) in cells and str(c["records_out"]) in cells
+                assert str(sum(c["dropped"].values())) in cells
+                for reason, n in c["dropped"].items():
+                    assert f"{reason}={n}" in " ".join(cells)
+    assert "cache hit" in " ".join(rows["quality"])
+    assert "51200" in rows["tokenize"]
+    (img,) = [i for i in html.images if i.get("id") == "loss-plot"]
+    assert img["src"] == "/slipway/runs/good/loss.png"
+    text = " ".join(html.text)
+    assert "Promoted" in text and "slipway://models/demo" in text
+    bench = [cells for a, cells in html.rows if a.get("data-task") == "piqa"]
+    assert bench and "~chance" in bench[0][-1]
+    # Samples are model output: shown as text, never as markup.
+    assert "The &lt;b&gt;" in body and "The <b>" not in body
+    assert "trace it to its raw inputs" in text
+    raw = [cells for _, cells in html.rows if cells and cells[0] == "dataset"]
+    assert any("brown.tar.gz" in c[1] and c[2] == "ab" * 32 for c in raw), raw
+
+
+def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(store):
+    body = pages.run_page(store, "bad <script>", "/slipway", loss_src="x.png")
+    assert "<script>" not in body  # the run id is text
+    html = parse(body)
+    text = " ".join(" ".join(html.text).split())
+    assert "Failed at train" in text and "preempted at step 12" in text
+    assert "3 steps are cache hits (ingest, quality, tokenize)" in text
+    assert "2 run again (train, evaluate)" in text
+    assert "Training resumes from its checkpoint at step 10" in text
+    rows = html.step_rows()
+    assert rows["train"][1].startswith("FAILED")
+    assert "last checkpoint: step 10" in rows["train"][-1]
+    assert "traceback" in rows["train"][-1]
+
+
+def test_the_runs_list_filters(store):
+    runs = store.runs()
+    every = parse(pages.runs_page(runs, "/slipway"))
+    listed = [c[0] for _, c in every.rows[1:]]
+    assert sorted(listed) == sorted(r.run_id for r in runs)
+    failed = parse(pages.runs_page(runs, "/slipway", pages.RunFilters(state="FAILED")))
+    assert [c[0] for _, c in failed.rows[1:]] == ["bad <script>"]
+    assert [
+        c[0] for _, c in parse(pages.runs_page(runs, "/s", pages.RunFilters(q="GOO"))).rows[1:]
+    ] == ["good"]
+    good = next(c for _, c in every.rows[1:] if c[0] == "good")
+    assert good[6] == "1"  # one cache hit (quality)
+
+
+def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
+    view = run_view(store.run_graph("good"))
+    body = pages.trace_page(store, view.training.checkpoint, view.training.checkpoint_version, "/s")
+    html = parse(body)
+    raw = [c for _, c in html.rows if c and c[0] == "dataset"]
+    assert raw == [["dataset", "file:///data/brown/brown.tar.gz", "sha256:" + "ab" * 32, "ab" * 32]]
+    assert "<svg" in body and body.count('class="node exec"') == 4  # ingest..train
+    with pytest.raises(NotFound):
+        pages.trace_page(store, "file:///nothing", None, "/s")
+
+
+def test_the_static_report_is_self_contained(store, tmp_path):
+    path = write_run_report(store, "good")
+    assert path == f"{tmp_path}/runs/good/report.html"
+    body = Path(path).read_text()
+    html = parse(body)
+    (img,) = [i for i in html.images if i.get("id") == "loss-plot"]
+    png = base64.b64decode(img["src"].removeprefix("data:image/png;base64,"))
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    assert "http://" not in body and "https://" not in body and 'src="/' not in body
+    assert "trace it to its raw inputs" not in body  # no links out of the file
+
+
+def test_the_loss_curve_is_read_from_the_metrics_log(store):
+    view = run_view(store.run_graph("good"))
+    curve = loss_curve(view.training)
+    assert [s for s, _ in curve] == list(range(1, TRAIN_STEPS + 1))
+    assert curve[0][1] == pytest.approx(8.85)
