@@ -195,8 +195,10 @@ class TraceNode:
     inputs: tuple[TraceNode, ...]
 
     def raw_inputs(self) -> list[ArtifactRecord]:
-        """Leaves: artifacts that no recorded execution produced (raw data, external models)."""
-        if self.producer is None:
+        """Leaves: artifacts that no recorded execution produced from recorded inputs: raw
+        data (the ``fetch`` task records the corpora it found as its outputs, from nothing
+        recorded), external models."""
+        if self.producer is None or not self.inputs:
             return [self.artifact]
         seen: dict[int, ArtifactRecord] = {}
         for node in self.inputs:

@@ -162,16 +162,40 @@ def trace_page(store: LineageStore, uri: str, version: str | None, base: str) ->
     hashes, and the producers step by step with code version and container image."""
     root = store.trace(uri, version or None)
     return _render(
-        "trace.html", base, root=root, raw=root.raw_inputs(), graph_svg=lineage_svg(root)
+        "trace.html",
+        base,
+        root=root,
+        raw=root.raw_inputs(),
+        graph_svg=lineage_svg(root),
+        producers=producers(root),
     )
 
 
-_BOX_W, _BOX_H, _GAP_X, _GAP_Y = 230, 34, 60, 12
+def producers(root: TraceNode) -> list[TraceNode]:
+    """Each execution of the trace once, raw inputs' first and the artifact's producer last
+    (a node reached along several paths, as a token store read by train and evaluate, is
+    listed where it is first needed)."""
+    seen: set[int] = set()
+    order: list[TraceNode] = []
+
+    def visit(node: TraceNode) -> None:
+        if node.producer is None or node.producer.id in seen:
+            return
+        seen.add(node.producer.id)
+        for child in node.inputs:
+            visit(child)
+        order.append(node)
+
+    visit(root)
+    return order
+
+
+_BOX_W, _BOX_H, _GAP_X, _GAP_Y = 230, 30, 14, 26
 
 
 def lineage_svg(root: TraceNode) -> str:
-    """The trace as a left-to-right graph: raw inputs on the left, the artifact on the right,
-    each producing execution between its inputs and its output. Drawn here as SVG: no
+    """The trace as a top-down graph: raw inputs at the top, the artifact at the bottom, each
+    producing execution between its inputs and its output. Drawn here as SVG: no
     script, no layout library; an artifact or execution reached twice is one node."""
     nodes: dict[str, tuple[int, str, str]] = {}  # key -> (depth, label, css class)
     edges: set[tuple[str, str]] = set()
@@ -180,7 +204,7 @@ def lineage_svg(root: TraceNode) -> str:
         key = f"a{node.artifact.id}"
         previous = nodes.get(key)
         if previous is None or previous[0] < depth:
-            kind = "raw" if node.producer is None else "artifact"
+            kind = "raw" if node.producer is None or not node.inputs else "artifact"
             label = f"{node.artifact.type}: {node.artifact.uri.rstrip('/').rsplit('/', 1)[-1]}"
             nodes[key] = (depth, label, kind)
         if node.producer is not None:
@@ -195,15 +219,17 @@ def lineage_svg(root: TraceNode) -> str:
 
     visit(root, 0)
     max_depth = max(d for d, _, _ in nodes.values())
-    columns: dict[int, list[str]] = {}
+    levels: dict[int, list[str]] = {}
     for key, (depth, _, _) in sorted(nodes.items(), key=lambda kv: kv[1][1]):
-        columns.setdefault(max_depth - depth, []).append(key)
+        levels.setdefault(max_depth - depth, []).append(key)
+    widest = max(len(k) for k in levels.values())
     where = {}
-    for col, keys in columns.items():
-        for row, key in enumerate(keys):
-            where[key] = (10 + col * (_BOX_W + _GAP_X), 10 + row * (_BOX_H + _GAP_Y))
-    width = 20 + (max_depth + 1) * (_BOX_W + _GAP_X)
-    height = 20 + max(len(k) for k in columns.values()) * (_BOX_H + _GAP_Y)
+    for level, keys in levels.items():
+        indent = (widest - len(keys)) * (_BOX_W + _GAP_X) / 2  # each level centred
+        for i, key in enumerate(keys):
+            where[key] = (10 + indent + i * (_BOX_W + _GAP_X), 10 + level * (_BOX_H + _GAP_Y))
+    width = 20 + widest * (_BOX_W + _GAP_X)
+    height = 20 + (max_depth + 1) * (_BOX_H + _GAP_Y)
     fill = {"raw": "#fff8c5", "artifact": "#ddf4ff", "exec": "#f6f8fa"}
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -212,7 +238,7 @@ def lineage_svg(root: TraceNode) -> str:
     for src, dst in sorted(edges):
         (x1, y1), (x2, y2) = where[src], where[dst]
         parts.append(
-            f'<line x1="{x1 + _BOX_W}" y1="{y1 + _BOX_H / 2}" x2="{x2}" y2="{y2 + _BOX_H / 2}" '
+            f'<line x1="{x1 + _BOX_W / 2}" y1="{y1 + _BOX_H}" x2="{x2 + _BOX_W / 2}" y2="{y2}" '
             'stroke="#8c959f" stroke-width="1"/>'
         )
     for key, (_, label, kind) in nodes.items():

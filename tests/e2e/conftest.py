@@ -242,3 +242,11 @@ def airflow(tmp_path_factory):
     finally:
         af.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture
+def page():
+    """A fresh headless Chromium page (tests/e2e/browser.py), closed after the test."""
+    from tests.e2e.browser import open_page
+
+    yield from open_page()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.tiny_pipeline import TINY_STEPS, tiny_conf
@@ -98,6 +99,19 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     assert summary["failed"][0]["step"] == "train"
     resume_step = summary["resume"]["training_resumes_from"]["step"]
     assert resume_step == train.properties["last_checkpoint_step"]
+    # The run's page in the Airflow UI (the Slipway plugin) says the same: which step failed,
+    # why, and what a clear-and-rerun resumes. Without a login it is refused.
+    page = af.client.get("/slipway/runs/e2e_fault")
+    assert page.status_code == 200, page.text
+    text = " ".join(page.text.split())
+    assert 'Failed at <span id="failed-step">train</span>' in text, text
+    assert "fail_at_step=5" in text
+    assert f"Training resumes from its checkpoint at step {resume_step}" in text, text
+    assert (af.slipway_home / "runs" / "e2e_fault" / "report.html").is_file()
+    anonymous = httpx.get(f"{af.url}/slipway/runs/e2e_fault")
+    assert anonymous.status_code == 401, anonymous.text
+    browser = httpx.get(f"{af.url}/slipway/", headers={"Accept": "text/html"})
+    assert browser.status_code == 302 and "/auth/login" in browser.headers["location"]
 
     # -- 3. clear the failed tasks: train resumes, nothing else reruns --------------------------
     cleared = af.api(

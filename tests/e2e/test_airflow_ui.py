@@ -18,82 +18,26 @@ and follows the run through the REST API to success. A screenshot of the page is
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
+from tests.e2e.browser import SCREENSHOTS, sign_in, step
 from tests.support.tiny_pipeline import tiny_conf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DAG_ID = "slipway_pipeline"
-CHROMIUM = os.environ.get("SLIPWAY_CHROMIUM", "/usr/bin/chromium")
-# Failed steps' screenshots: in the checkout's out/ (ignored by git), where they outlive
-# pytest's rotation of its temporary folders and a CI job can keep them.
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "out" / "test-screenshots"
-# What a probe on this kind of machine found it needs: no sandbox as root, and no background
-# connections (the closed network refuses them, many at a time).
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-@pytest.fixture
-def page():
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (Debian's chromium package)")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            context = browser.new_context(viewport={"width": 1400, "height": 1000})
-            context.set_default_timeout(60_000)
-            yield context.new_page()
-        finally:
-            browser.close()
-
-
-@contextmanager
-def step(page, name: str, out: Path) -> Iterator[None]:
-    """Run one step of the scenario; on failure keep a full-page screenshot named for it."""
-    try:
-        yield
-    except BaseException:
-        out.mkdir(parents=True, exist_ok=True)
-        shot = out / f"{name}.png"
-        try:
-            page.screenshot(path=str(shot), full_page=True)
-            print(f"screenshot of the failed step {name!r}: {shot}")
-        except Exception as exc:  # the browser itself may be what failed
-            print(f"no screenshot of {name!r}: {exc}")
-        raise
 
 
 def test_the_default_form_triggers_a_run_that_succeeds(airflow, page):
     af = airflow
     shots = SCREENSHOTS / "default-form"
     shutil.rmtree(shots, ignore_errors=True)  # only this run's failures
-    password = af.password()
     with step(page, "1-sign-in", shots):
-        page.goto(f"{af.url}/dags/{DAG_ID}")
-        page.wait_for_url("**/auth/login**")  # not signed in: Airflow's own login page
-        page.fill("input[name=username]", "admin")
-        page.fill("input[name=password]", password)
-        page.keyboard.press("Enter")
+        sign_in(page, af, f"{af.url}/dags/{DAG_ID}")  # Airflow's own login page first
         page.wait_for_url(f"**/dags/{DAG_ID}**")
-        page.wait_for_load_state("networkidle")
     with step(page, "2-open-the-form", shots):
         page.get_by_role("button", name="Trigger").first.click()
         dialog = page.get_by_role("dialog")
@@ -141,3 +85,71 @@ def test_the_default_form_triggers_a_run_that_succeeds(airflow, page):
         states, nodes, _ = af.lineage("ui_default_form")
         assert states["validate"] == "COMPLETE"
         assert nodes["fetch"].execution.properties["data_dir"] == str(af.data)
+
+    # -- the run's report in the Airflow UI (the Slipway plugin) --------------------------------
+    _the_run_report(af, page, "ui_default_form", states, nodes)
+
+
+def _the_run_report(af, page, run_id: str, states: dict, nodes: dict) -> None:
+    """Open the Slipway entry, the run's page from the list, its step table against lineage,
+    its loss plot, and the checkpoint's trace back to the raw corpora."""
+    shots = SCREENSHOTS / "run-report"
+    shutil.rmtree(shots, ignore_errors=True)
+    with step(page, "6-the-slipway-entry", shots):
+        page.goto(af.url)
+        page.get_by_role("link", name="Slipway").first.click()
+        # The entry embeds the pages (an external view); open them at their own address.
+        frame = page.frame_locator("iframe").first
+        frame.locator("table#runs").wait_for()
+        page.goto(f"{af.url}/slipway/")
+        row = page.locator("table#runs tr", has=page.get_by_role("link", name=run_id))
+        assert "COMPLETE" in row.inner_text(), row.inner_text()
+        page.get_by_role("link", name=run_id).click()
+        page.wait_for_url(f"**/slipway/runs/{run_id}")
+    with step(page, "7-the-step-table", shots):
+        assert page.locator("#run-state").inner_text() == "COMPLETE"
+        shown = {}
+        for tr in page.locator("table#steps tbody tr").all():
+            cells = tr.locator("td").all_inner_texts()
+            shown[tr.get_attribute("data-step")] = cells
+        assert set(shown) == set(states) - {"record"}, (sorted(shown), sorted(states))
+        checked = 0
+        for name, node in nodes.items():
+            for out in node.outputs:
+                c = out.artifact.counts or {}
+                if "records_in" in c and name in shown:
+                    row = page.locator(f'tr[data-step="{name}"]')
+                    got = [
+                        row.locator(f'td[data-field="{f}"]').inner_text()
+                        for f in ("in", "out", "dropped")
+                    ]
+                    want = [
+                        str(c["records_in"]),
+                        str(c["records_out"]),
+                        str(sum(c["dropped"].values())),
+                    ]
+                    assert got == want, (name, got, want)
+                    checked += 1
+        assert checked >= 5, shown  # the data plane's stages, each against its manifest
+    with step(page, "8-the-loss-plot", shots):
+        plot = page.locator("img#loss-plot")
+        plot.scroll_into_view_if_needed()
+        page.wait_for_function(
+            "img => img.complete && img.naturalWidth > 0", arg=plot.element_handle()
+        )
+        png = plot.screenshot()
+        assert len(set(png)) > 50  # an image with content, not a blank box
+        assert page.locator("table#benchmarks").is_visible()
+        assert page.locator("#gate").inner_text().startswith("Promoted")
+    with step(page, "9-trace-the-checkpoint", shots):
+        page.locator("a#trace-checkpoint").click()
+        page.wait_for_url("**/slipway/trace?**")
+        raw = page.locator("table#raw-inputs tbody tr").all_inner_texts()
+        corpora = [o.artifact for o in nodes["fetch"].outputs if o.artifact.type == "dataset"]
+        assert corpora, "fetch recorded no corpora"
+        for corpus in corpora:  # every one, with the content hash fetch recorded
+            assert any(f"{corpus.uri}\t" in r and corpus.content_hash in r for r in raw), (
+                corpus.uri,
+                raw,
+            )
+        assert page.locator("#lineage-graph svg g.node").count() >= 8

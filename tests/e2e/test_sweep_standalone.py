@@ -15,6 +15,8 @@ the DAG's own, 02:00 daily without catchup.
    the failed cell trains (resuming from the checkpoint its pre-emption left, so the fault
    does not fire again) and is evaluated; the forecast keeps its first pre-registration; the
    night succeeds.
+3. The sweep page in the Airflow UI, in a real browser: the night's grid, its IsoFLOP plot, and
+   the forecast with its outcome as the night's report recorded them.
 
 ~5 min on two shared cores.
 """
@@ -22,12 +24,15 @@ the DAG's own, 02:00 daily without catchup.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
+from tests.e2e.browser import SCREENSHOTS, sign_in, step
 from tests.e2e.conftest import SWEEP_DAG_ID, SWEEP_FAILING_CELL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -66,7 +71,9 @@ def _run_file(af, run_id: str, name: str, monkeypatch: pytest.MonkeyPatch) -> ob
     return json.loads((Path(run_folder(run_id)) / name).read_text())
 
 
-def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(airflow, monkeypatch):
+def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(
+    airflow, monkeypatch, page
+):
     af = airflow
     af.wait_for_dag(dag_id=SWEEP_DAG_ID)
     assert af.api("GET", f"/dags/{SWEEP_DAG_ID}")["is_paused"], "new DAGs start paused"
@@ -145,3 +152,28 @@ def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(air
     assert forecast2["path"] == forecast["path"] and not forecast2["new"]
     assert Path(forecast["path"]).read_bytes() == registered  # the first registration stands
     af.api("PATCH", f"/dags/{SWEEP_DAG_ID}", json={"is_paused": True})
+
+    # -- 3. the sweep page in the Airflow UI (the Slipway plugin), in a real browser ------------
+    report = _run_file(af, run_id, "report/report.json", monkeypatch)
+    shots = SCREENSHOTS / "sweep-page"
+    shutil.rmtree(shots, ignore_errors=True)
+    with step(page, "sweep-page", shots):
+        sign_in(page, af, f"{af.url}/slipway/sweeps?night={quote(run_id, safe='')}")
+        page.wait_for_url("**/slipway/sweeps?night=**")
+        assert page.locator("table#grid tbody tr").count() == len(report["cells"]) == 6
+        (shown,) = page.locator("table#forecasts tbody tr").all()
+        (f,) = report["forecasts"]
+        assert f["checked"], f
+        field = {
+            k: shown.locator(f'td[data-field="{k}"]').inner_text()
+            for k in ("predicted", "outcome", "relative-error")
+        }
+        assert field == {
+            "predicted": f"{f['predicted']:.4f}",
+            "outcome": f"{f['outcome']:.4f}",
+            "relative-error": f"{100 * f['relative_error']:+.2f}%",
+        }, (field, f)
+        plot = page.locator("img#plot-isoflop")
+        page.wait_for_function(
+            "img => img.complete && img.naturalWidth > 0", arg=plot.element_handle()
+        )

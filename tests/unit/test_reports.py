@@ -132,6 +132,8 @@ def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
     raw = [c for _, c in html.rows if c and c[0] == "dataset"]
     assert raw == [["dataset", "file:///data/brown/brown.tar.gz", "sha256:" + "ab" * 32, "ab" * 32]]
     assert "<svg" in body and body.count('class="node exec"') == 4  # ingest..train
+    producers = [c for _, c in html.rows if len(c) == 7][1:]  # each execution once, in order
+    assert [r[0] for r in producers] == ["ingest", "quality", "tokenize", "train"]
     with pytest.raises(NotFound):
         pages.trace_page(store, "file:///nothing", None, "/s")
 
