@@ -84,8 +84,12 @@ def _same_run(out: Path, ref: Path, rtol: float) -> None:
     np.testing.assert_allclose(loss_curve(out, STEPS), curve, rtol=rtol, atol=rtol)
     p, r = final_params(out, STEPS), final_params(ref, STEPS)
     assert p.keys() == r.keys()
+    # Adam divides each gradient by its running RMS: where a gradient is ~0, the update's
+    # size hinges on the last bits of a reduction whose order the layout changes (seen: one
+    # element of 8192 off by 1.2e-5). One step moves a weight by up to lr = 3e-3; a layout
+    # bug moves whole rows by whole steps, which 1e-4 (3% of one step) still catches.
     for k in r:
-        np.testing.assert_allclose(p[k], r[k], rtol=1e-4, atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(p[k], r[k], rtol=1e-4, atol=1e-4, err_msg=k)
 
 
 @pytest.fixture(scope="module")
