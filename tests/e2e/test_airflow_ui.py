@@ -106,6 +106,13 @@ def _the_run_report(af, page, run_id: str, states: dict, nodes: dict) -> None:
         assert "COMPLETE" in row.inner_text(), row.inner_text()
         page.get_by_role("link", name=run_id).click()
         page.wait_for_url(f"**/slipway/runs/{run_id}")
+    with step(page, "6b-the-dag-runs-tab", shots):
+        # Every DAG run has a "Slipway report" tab: the run page, embedded.
+        page.goto(f"{af.url}/dags/{DAG_ID}/runs/{run_id}")
+        page.get_by_text("Slipway report").first.click()
+        embedded = page.frame_locator("iframe").first
+        assert embedded.locator("#run-state").inner_text() == "COMPLETE"
+        page.goto(f"{af.url}/slipway/runs/{run_id}")
     with step(page, "7-the-step-table", shots):
         assert page.locator("#run-state").inner_text() == "COMPLETE"
         shown = {}

@@ -53,6 +53,7 @@ AIRFLOW_FREE = (
     "operators.policy",
     "operators.dataflow",
     "operators.lineage",
+    "operators.reports",
     "operators.jobset",
     "operators.cli",
     "operators.summary",

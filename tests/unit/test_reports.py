@@ -155,3 +155,42 @@ def test_the_loss_curve_is_read_from_the_metrics_log(store):
     curve = loss_curve(view.training)
     assert [s for s, _ in curve] == list(range(1, TRAIN_STEPS + 1))
     assert curve[0][1] == pytest.approx(8.85)
+
+
+@pytest.fixture
+def client(store, monkeypatch):
+    """The plugin's app (operators/ui.py) over the fixture's store, signed in: Airflow's own
+    authentication of these routes is tested against a real API server in
+    tests/e2e/test_airflow_standalone.py (401 and the login redirect)."""
+    from airflow.api_fastapi.core_api.security import get_user
+    from fastapi.testclient import TestClient
+
+    from operators import ui
+
+    monkeypatch.setattr(ui, "_store", store)
+    ui.app.dependency_overrides[get_user] = lambda: object()
+    try:
+        yield TestClient(ui.app, root_path="/slipway")
+    finally:
+        ui.app.dependency_overrides.clear()
+
+
+def test_the_app_serves_pages_plots_and_reports(client, store):
+    r = client.get("/runs/good")
+    assert r.status_code == 200 and 'src="/slipway/runs/good/loss.png"' in r.text
+    assert 'href="/dags/slipway_pipeline/runs/good"' in r.text  # back to the DAG run
+    png = client.get("/runs/good/loss.png")
+    assert png.headers["content-type"] == "image/png" and png.content.startswith(b"\x89PNG")
+    assert client.get("/runs/nothing").status_code == 404
+    assert client.get("/runs/good/report.html").status_code == 404  # not written yet
+    write_run_report(store, "good")
+    assert "data:image/png;base64," in client.get("/runs/good/report.html").text
+    listed = client.get("/", params={"state": "FAILED"})
+    assert "bad &lt;script&gt;" in listed.text and ">good<" not in listed.text
+    assert client.get("/trace", params={"uri": "file:///nothing"}).status_code == 404
+    assert client.get("/", params={"q": "x" * 300}).status_code == 422  # bounded input
+    # No sweep recorded: the page says so; a plot that does not exist is a 404, and a run id
+    # cannot name a folder outside the runs (run_folder makes it one safe path segment).
+    assert "No <span" in client.get("/sweeps").text
+    assert client.get("/sweeps/..%2F..%2Fetc/isoflop.png").status_code == 404
+    assert client.get("/sweeps/good/passwd.png").status_code == 404
