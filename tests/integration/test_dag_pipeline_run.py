@@ -134,6 +134,19 @@ def _first_run_completes(env):
     assert [e.get("version") for e in events] == [promoted.version], events
     summary = next(o.artifact.properties for o in nodes["record"].outputs)
     assert summary["gate"]["promoted"] and summary["gate"]["version"] == promoted.version
+    # The run's self-contained report, recorded beside the summary and named by the
+    # end-of-run summary that `make demo` prints.
+    (report,) = [o.artifact for o in nodes["record"].outputs if o.artifact.type == "run_report"]
+    body = Path(report.uri).read_text()
+    assert 'id="loss-plot"' in body and "data:image/png;base64," in body
+    printed = subprocess.run(
+        [sys.executable, "-m", "operators.summary", run1],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert f"report: {report.uri}" in printed.stdout, printed.stdout[-3000:]
     ckpt = [o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint"]
     assert ckpt and ckpt[0].counts["loss_end"] is not None
     evals = {o.role: o.artifact.counts for o in nodes["evaluate"].outputs}
