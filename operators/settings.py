@@ -67,20 +67,29 @@ def steps_root() -> str:
     return f"{root.rstrip('/')}/steps" if "://" in root else os.path.join(root, "steps")
 
 
+def run_file(run_id: str, name: str) -> str:
+    """``{run folder}/name``: where a run's own file lives."""
+    from operators.steps import join
+
+    return join(run_folder(run_id), name)
+
+
+def write_run_text(run_id: str, name: str, text: str) -> str:
+    """Write ``text`` to ``{run folder}/name`` (local or object store); its path."""
+    import fsspec
+
+    path = run_file(run_id, name)
+    fs, p = fsspec.core.url_to_fs(path)
+    fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(p, text.encode("utf-8"))
+    return path
+
+
 def write_run_file(run_id: str, name: str, body: Any) -> str:
     """Write ``body`` as JSON to ``{run folder}/name`` (local or object store); its path."""
     import json
 
-    import fsspec
-
-    from operators.steps import join
-
-    path = join(run_folder(run_id), name)
-    fs, p = fsspec.core.url_to_fs(path)
-    fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(p, "w") as f:
-        json.dump(body, f, indent=2, default=str)
-    return path
+    return write_run_text(run_id, name, json.dumps(body, indent=2, default=str))
 
 
 def run_folder(run_id: str) -> str:

@@ -18,6 +18,7 @@ is sent to Airflow's login page, which brings it back. The pages themselves are
 
 from __future__ import annotations
 
+import html
 import threading
 from typing import Any
 from urllib.parse import quote
@@ -71,7 +72,7 @@ async def _login_or_error(request: Request, exc: HTTPException) -> Response:
 
 
 def _no_lineage(exc: Exception) -> HTMLResponse:
-    return HTMLResponse(f"<p>No lineage recorded yet: {exc}</p>", status_code=404)
+    return HTMLResponse(f"<p>No lineage recorded yet: {html.escape(str(exc))}</p>", 404)
 
 
 @app.get("/", response_class=HTMLResponse)
@@ -92,22 +93,11 @@ def runs(
 @app.get("/runs/{run_id}", response_class=HTMLResponse)
 def run(request: Request, run_id: str) -> Any:
     base = _base(request)
+    loss_src = f"{base}/runs/{quote(run_id, safe='')}/loss.png"
     try:
-        graph_pipeline = store().run_graph(run_id).run.pipeline
-        body = pages.run_page(
-            store(),
-            run_id,
-            base,
-            loss_src=f"{base}/runs/{quote(run_id, safe='')}/loss.png",
-            airflow_run_url=(
-                f"/dags/{quote(graph_pipeline, safe='')}/runs/{quote(run_id, safe='')}"
-                if graph_pipeline
-                else None
-            ),
-        )
+        return pages.run_page(store(), run_id, base, loss_src=loss_src)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
-    return body
 
 
 @app.get("/runs/{run_id}/loss.png")

@@ -146,6 +146,17 @@ def render_benchmarks(rows: Sequence[tuple[str, Mapping[str, object]]]) -> list[
 SAMPLES_ROLE = "samples"
 
 
+def evaluation_output(link: Linked) -> tuple[str, str]:
+    """What an ``eval_result`` output of evaluate is, by its role: ``("benchmark", task)``,
+    ``("samples", "")`` or ``("store", role)`` (a held-out store's metrics)."""
+    role = link.role or link.artifact.uri
+    if role.startswith(BENCHMARK_ROLE):
+        return "benchmark", role[len(BENCHMARK_ROLE) :]
+    if role == SAMPLES_ROLE:
+        return "samples", ""
+    return "store", role
+
+
 def render_samples(samples: Mapping[str, object]) -> list[str]:
     """The fixed prompts' completions, one line each (newlines shown as ⏎)."""
     if samples.get("skipped"):
@@ -215,12 +226,14 @@ def render_run(
             if a.type == "checkpoint":
                 train = (name, ex.state, c, a.uri)
                 outputs.append((name, a.uri))
-            if a.type == "eval_result" and (out.role or "").startswith(BENCHMARK_ROLE):
-                benchmarks.append((out.role[len(BENCHMARK_ROLE) :], c))
-            elif a.type == "eval_result" and out.role == SAMPLES_ROLE:
-                samples = dict(a.properties or {})
-            elif a.type == "eval_result":
-                evals.append((out.role or a.uri, c))
+            if a.type == "eval_result":
+                kind, name = evaluation_output(out)
+                if kind == "benchmark":
+                    benchmarks.append((name, c))
+                elif kind == "samples":
+                    samples = dict(a.properties or {})
+                else:
+                    evals.append((name, c))
             if a.type == "hf_export":
                 outputs.append((f"{name} (Hugging Face)", a.uri))
         if not counted:  # a step whose outputs carry no record counts: its state alone

@@ -19,7 +19,13 @@ from typing import Any
 
 from operators.lineage.render import near_chance
 from operators.lineage.schema import ExecutionState
-from operators.lineage.store import ArtifactRecord, LineageStore, RunSummary, TraceNode
+from operators.lineage.store import (
+    ArtifactRecord,
+    LineageStore,
+    NotFound,
+    RunSummary,
+    TraceNode,
+)
 from operators.reports.plots import loss_png
 from operators.reports.view import RunView, loss_curve, run_view
 
@@ -126,7 +132,6 @@ def run_page(
     base: str | None,
     *,
     loss_src: str | None = None,
-    airflow_run_url: str | None = None,
 ) -> str:
     """The run page (and the static report, with ``base=None``): ``loss_src`` is the loss
     plot's URL; None draws it here, inline as a data URI. ``NotFound`` for an unknown run."""
@@ -138,7 +143,6 @@ def run_page(
         base,
         v=view,
         loss_src=loss_src,
-        airflow_run_url=airflow_run_url,
         checkpoint_raw=checkpoint_raw_inputs(store, view),
     )
 
@@ -149,7 +153,7 @@ def checkpoint_raw_inputs(store: LineageStore, view: RunView) -> list[ArtifactRe
         return []
     try:
         trace = store.trace(view.training.checkpoint, view.training.checkpoint_version)
-    except KeyError:  # NotFound: recorded without this version
+    except NotFound:  # recorded without this version
         return []
     return trace.raw_inputs()
 

@@ -13,19 +13,13 @@ REPORT_ARTIFACT = "run_report"  # its artifact type in lineage, an output of ``r
 
 
 def report_path(run_id: str) -> str:
-    from operators.settings import run_folder
-    from operators.steps import join
+    from operators.settings import run_file
 
-    return join(run_folder(run_id), REPORT_FILE)
+    return run_file(run_id, REPORT_FILE)
 
 
 def write_run_report(store: LineageStore, run_id: str) -> str:
     """Render the run's report from lineage and write it (local or object store); its path."""
-    import fsspec
+    from operators.settings import write_run_text
 
-    body = run_page(store, run_id, base=None)
-    path = report_path(run_id)
-    fs, p = fsspec.core.url_to_fs(path)
-    fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(p, body.encode("utf-8"))
-    return path
+    return write_run_text(run_id, REPORT_FILE, run_page(store, run_id, base=None))

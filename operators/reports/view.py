@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from operators.lineage.render import BENCHMARK_ROLE, SAMPLES_ROLE
+from operators.lineage.render import evaluation_output
 from operators.lineage.schema import ArtifactType, ExecutionState
 from operators.lineage.store import ArtifactRecord, ExecutionRecord, RunGraph, StepNode
 from operators.promotion import gate_outcome
@@ -80,7 +80,6 @@ class RunView:
     state: str
     started_at: Any
     ended_at: Any
-    counts: Mapping[str, int]
     steps: tuple[StepRow, ...]
     training: Training | None
     evaluations: tuple[tuple[str, Mapping[str, Any]], ...]  # (store role, metrics)
@@ -196,13 +195,13 @@ def run_view(graph: RunGraph) -> RunView:
             if a.type == RUN_SUMMARY:
                 summary = dict(a.properties or {})
             elif a.type == ArtifactType.EVAL_RESULT:
-                role = link.role or a.uri
-                if role.startswith(BENCHMARK_ROLE):
-                    benchmarks.append((role[len(BENCHMARK_ROLE) :], dict(a.counts or {})))
-                elif role == SAMPLES_ROLE:
+                kind, label = evaluation_output(link)
+                if kind == "benchmark":
+                    benchmarks.append((label, dict(a.counts or {})))
+                elif kind == "samples":
                     samples = dict(a.properties or {})
                 else:
-                    evaluations.append((role, dict(a.counts or {})))
+                    evaluations.append((label, dict(a.counts or {})))
             elif a.type == ArtifactType.HF_EXPORT:
                 exports.append(a.uri)
         found = _training(node)
@@ -220,7 +219,6 @@ def run_view(graph: RunGraph) -> RunView:
         state=_run_state(graph, summary),
         started_at=graph.run.started_at,
         ended_at=ended_at,
-        counts=dict(graph.run.counts),
         steps=tuple(rows),
         training=training,
         evaluations=tuple(evaluations),

@@ -34,23 +34,22 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VOCAB = 32768
-# Published dense bf16 peaks by ``jax.devices()[0].device_kind`` (substring, lower case).
-DEVICE_PEAKS = {
-    "v5 lite": ("v5e", 197e12),
-    "v5e": ("v5e", 197e12),
-    "v5p": ("v5p", 459e12),
-    "v6": ("v6e", 918e12),
-    "v4": ("v4", 275e12),
-    "h100": ("H100 SXM", 989e12),
-    "h200": ("H200", 989e12),
-    "a100": ("A100", 312e12),
-}
+# ``jax.devices()[0].device_kind`` (a lower-case substring) -> the TPU catalogue's name, whose
+# peak is trainer.shapes.CHIP_PEAK_FLOPS'; GPUs, which the catalogue does not hold, by their
+# published dense bf16 peak.
+TPU_KINDS = {"v5 lite": "v5e", "v5e": "v5e", "v5p": "v5p", "v6": "v6e", "v4": "v4"}
+GPU_PEAKS = {"h100": 989e12, "h200": 989e12, "a100": 312e12}
 
 
 def chip_peak(kind: str) -> tuple[str, float | None]:
-    for key, (name, peak) in DEVICE_PEAKS.items():
+    from trainer.shapes import CHIP_PEAK_FLOPS
+
+    for key, name in TPU_KINDS.items():
         if key in kind.lower():
-            return name, peak
+            return name, CHIP_PEAK_FLOPS[name]
+    for key, peak in GPU_PEAKS.items():
+        if key in kind.lower():
+            return key.upper(), peak
     return kind, None
 
 

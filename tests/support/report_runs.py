@@ -104,7 +104,7 @@ def record_run(
     )
     samples = {"decoding": "greedy", "completions": [{"prompt": "The <b>", "completion": " end"}]}
     store.record_output(
-        ex, f"{evals}/samples.json", "eval_result", role="samples", **{"properties": samples}
+        ex, f"{evals}/samples.json", "eval_result", role="samples", properties=samples
     )
     store.finish_execution(ex, ended_at=t + 7 * tick)
 
