@@ -1,9 +1,17 @@
-"""BeamStageHook: one data-plane stage as a subprocess the hook owns, followed to its end.
+"""BeamStageHook: one data-plane stage, followed to its end.
 
-``python -m pipelines.<stage> --runner=... <options>`` runs under this interpreter (``-m``:
-``pipelines.tokenize`` as a script would shadow the standard library's ``tokenize``). The
-hook keeps the process handle, so a killed task stops exactly its own launcher (no scan of
-the task's children) and a non-zero exit fails with the last lines the stage printed.
+On the DirectRunner with this interpreter the stage's ``main`` runs **in the task's own
+process**, with the arguments its command line would get: a new interpreter per stage cost
+2-4 s of start-up and imports (Beam, TensorStore, SentencePiece), more than the stage itself
+for the small token stores, and the task's process is already the unit Airflow kills. Its
+exit status (``parser.exit(2, ...)`` for a refused option) and exceptions become
+:class:`BeamStageFailed` with the last lines it wrote to stderr.
+
+Otherwise (DataflowRunner, or another ``py_interpreter``) ``python -m pipelines.<stage>
+--runner=... <options>`` runs as a subprocess (``-m``: ``pipelines.tokenize`` as a script
+would shadow the standard library's ``tokenize``). The hook keeps the process handle, so a
+killed task stops exactly its own launcher (no scan of the task's children) and a non-zero
+exit fails with the last lines the stage printed.
 
 On Dataflow the hook adds what the job needs on the launcher's command line (a job name
 unique per launch, project, region, service account, labels), reads the job id from the line
@@ -20,6 +28,9 @@ provider's would.
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib
+import io
 import shlex
 import subprocess
 import sys
@@ -47,6 +58,32 @@ class BeamStageFailed(RuntimeError):
         self.returncode = returncode
 
 
+class _TailWriter(io.TextIOBase):
+    """Passes text on to ``stream`` and keeps its last :data:`FAILURE_TAIL_LINES` lines."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.lines: collections.deque[str] = collections.deque(maxlen=FAILURE_TAIL_LINES)
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        *done, self._partial = (self._partial + text).split("\n")
+        self.lines.extend(line for line in done if line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def traceback_tail(err: BaseException) -> list[str]:
+    """The last lines of ``err``'s traceback, as a failed stage process would have printed."""
+    import traceback
+
+    lines = "".join(traceback.format_exception(err)).splitlines()
+    return lines[-FAILURE_TAIL_LINES:]
+
+
 def gcp_connection_project(gcp_conn_id: str) -> str | None:
     """The Airflow GCP connection's project (its ``project`` extra, else its credentials'),
     or None: the Dataflow project's last fallback."""
@@ -70,6 +107,7 @@ class BeamStageHook(BaseHook):
         *,
         dataflow: DataflowJob | None = None,
         py_interpreter: str = sys.executable,
+        in_process: bool = True,
     ) -> None:
         super().__init__()
         if (runner == "DataflowRunner") != (dataflow is not None):
@@ -77,22 +115,27 @@ class BeamStageHook(BaseHook):
         self.runner = runner
         self.dataflow = dataflow
         self.py_interpreter = py_interpreter
+        # A DirectRunner stage under this interpreter runs in this process (module docstring).
+        self.in_process = (
+            in_process
+            and dataflow is None
+            and runner == "DirectRunner"
+            and py_interpreter == sys.executable
+        )
         self.job_name: str | None = None  # the launched Dataflow job's unique name
         self.job_id: str | None = None  # read from the launcher's output
         self._proc: subprocess.Popen[str] | None = None
 
     # -- the command ------------------------------------------------------------------------
 
-    def command(self, module: str, options: Mapping[str, Any]) -> list[str]:
+    def arguments(self, options: Mapping[str, Any]) -> list[str]:
+        """The stage's arguments after ``python -m pipelines.<stage>``."""
         from airflow.providers.apache.beam.hooks.beam import beam_options_to_args
 
-        return [
-            self.py_interpreter,
-            "-m",
-            module,
-            f"--runner={self.runner}",
-            *beam_options_to_args(dict(options)),
-        ]
+        return [f"--runner={self.runner}", *beam_options_to_args(dict(options))]
+
+    def command(self, module: str, options: Mapping[str, Any]) -> list[str]:
+        return [self.py_interpreter, "-m", module, *self.arguments(options)]
 
     def _dataflow_options(self, job: DataflowJob, job_name: str) -> dict[str, Any]:
         from airflow.version import version as airflow_version
@@ -117,6 +160,9 @@ class BeamStageHook(BaseHook):
 
         Returns what identifies the run outside this machine (the Dataflow job), else ``{}``.
         """
+        if self.in_process:
+            self._run_in_process(module, options)
+            return {}
         options = dict(options)
         job = self.dataflow
         on_line: Callable[[str], None] = lambda line: None  # noqa: E731
@@ -182,6 +228,39 @@ class BeamStageHook(BaseHook):
         )
         return {"dataflow_job_id": self.job_id, "dataflow_job_name": self.job_name}
 
+    def _run_in_process(self, module: str, options: Mapping[str, Any]) -> None:
+        """The stage's ``main`` in this process. What it writes to stderr (a refused option's
+        one line) still goes there and its tail goes into a failure's message; its manifest,
+        printed on stdout for a caller of the command line, is left out of the log: the
+        operator records it from the output."""
+        argv = self.arguments(options)
+        self.log.info("Running in this process: python -m %s %s", module, shlex.join(argv))
+        # A logging handler the stage sets up may keep the wrapper: it passes text on, and
+        # keeps a bounded tail, so nothing is lost after the stage either.
+        stderr = _TailWriter(sys.stderr)
+        code: int | str | None = 0
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+                importlib.import_module(module).main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        except Exception as err:
+            raise BeamStageFailed(
+                f"python -m {module} failed: {type(err).__name__}: {err}; its last lines:\n  "
+                + "\n  ".join(traceback_tail(err)),
+                1,
+            ) from err
+        if code not in (0, None):
+            returncode = code if isinstance(code, int) else 1
+            tail = list(stderr.lines)
+            if isinstance(code, str):
+                tail.append(code)
+            raise BeamStageFailed(
+                f"python -m {module} exited with {returncode}; its last lines:\n  "
+                + "\n  ".join(tail),
+                returncode,
+            )
+
     def _found_job_id(self, job_id: str) -> None:
         if job_id != self.job_id:
             self.job_id = job_id
@@ -213,7 +292,9 @@ class BeamStageHook(BaseHook):
     def kill(self) -> None:
         """Stop the launcher (SIGTERM, then SIGKILL) and cancel its Dataflow job, if any.
 
-        Safe to call from a signal handler while :meth:`run_module` waits on the process.
+        Safe to call from a signal handler while :meth:`run_module` waits on the process. A
+        stage running in this process has nothing to stop here: it ends with the task's
+        process, which Airflow terminates after ``on_kill``.
         """
         proc = self._proc
         if proc is not None and proc.poll() is None:
