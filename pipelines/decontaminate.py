@@ -45,7 +45,7 @@ from pipelines.stage import (
     StageRun,
     stage_main,
 )
-from pipelines.text import ngram_hashes, token_hashes, words
+from pipelines.text import ngram_hashes, ngram_hashes_by_length, token_hashes, words
 
 STAGE = "decontaminate"
 STATS = "stats"
@@ -63,7 +63,8 @@ def eval_set_name(doc: Document) -> str:
 
 
 def eval_ngrams(item: tuple[str, Any], config: DecontaminateConfig) -> Iterator[Any]:
-    """One eval record -> ((set, n), hash) for each of its n-grams, plus per-set stats."""
+    """One eval record -> ((set, n), its distinct n-gram hashes as a ``uint64`` array), plus
+    per-set stats. One element per record, not per n-gram: a runner's cost is per element."""
     _, obj = item
     try:
         doc = validate_document(obj)
@@ -80,24 +81,54 @@ def eval_ngrams(item: tuple[str, Any], config: DecontaminateConfig) -> Iterator[
         yield pvalue.TaggedOutput(STATS, (name, (1, 1)))
         return
     yield pvalue.TaggedOutput(STATS, (name, (1, 0)))
-    for digest in np.unique(ngram_hashes(token_hashes(tokens), n)).tolist():
-        yield ((name, n), digest)
+    yield ((name, n), ngram_hashes(token_hashes(tokens), n))  # made unique by UnionHashes
 
 
-def to_sorted_array(item: tuple[Any, Iterable[int]]) -> tuple[tuple[str, int], np.ndarray]:
-    (name, n), digests = item
-    return ((name, int(n)), np.unique(np.fromiter(digests, dtype=np.uint64)))
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` by one sort (NumPy's hash-based unique costs ~0.1 ms
+    per call even for a few elements, which the eval side calls once per record)."""
+    ordered = np.sort(values)
+    if len(ordered) < 2:
+        return ordered
+    keep = np.empty(len(ordered), dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
+class UnionHashes(beam.CombineFn):
+    """Arrays of hashes -> their sorted union (``uint64``). Accumulators are lists of arrays,
+    so adding is O(1) and the sort happens once per key."""
+
+    def create_accumulator(self) -> list[np.ndarray]:
+        return []
+
+    def add_input(self, acc: list[np.ndarray], hashes: np.ndarray) -> list[np.ndarray]:
+        acc.append(hashes)
+        return acc
+
+    def merge_accumulators(self, accumulators: Iterable[list[np.ndarray]]) -> list[np.ndarray]:
+        return [array for acc in accumulators for array in acc]
+
+    def compact(self, acc: list[np.ndarray]) -> list[np.ndarray]:
+        return [self.extract_output(acc)] if len(acc) > 1 else acc
+
+    def extract_output(self, acc: list[np.ndarray]) -> np.ndarray:
+        if not acc:
+            return np.zeros(0, dtype=np.uint64)
+        return sorted_unique(np.concatenate(acc))
 
 
 def build_index(eval_docs: Iterable[Document], config: DecontaminateConfig) -> EvalIndex:
     """The eval index the pipeline broadcasts, built in plain Python (tests, tools)."""
-    grouped: dict[tuple[str, int], list[int]] = {}
+    grouped: dict[tuple[str, int], list[np.ndarray]] = {}
     for doc in eval_docs:
         for out in eval_ngrams(("", doc), config):
             if not isinstance(out, pvalue.TaggedOutput):
-                key, digest = out
-                grouped.setdefault(key, []).append(digest)
-    return dict(to_sorted_array(item) for item in sorted(grouped.items()))
+                key, hashes = out
+                grouped.setdefault(key, []).append(hashes)
+    union = UnionHashes()
+    return {key: union.extract_output(arrays) for key, arrays in sorted(grouped.items())}
 
 
 def _add_pairs(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
@@ -111,42 +142,84 @@ def _add_pairs(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
 # --- the document side ------------------------------------------------------------------------
 
 
-def find_matches(
-    text: str, index: EvalIndex, min_overlap: int
-) -> tuple[dict[str, int], str | None]:
-    """Eval sets sharing >= min_overlap distinct n-grams with ``text`` ({set: count}), and an
-    example shared n-gram (the earliest in the text), or ``({}, None)``."""
-    tokens = words(text)
-    if not tokens:
-        return {}, None
-    hashes = token_hashes(tokens)
-    counts: dict[str, int] = {}
-    example: tuple[int, int] | None = None  # (position, n) of the earliest match
-    for n in sorted({n for _, n in index}):
-        grams = ngram_hashes(hashes, n)
-        if not len(grams):
-            continue
-        for (name, size), table in sorted(index.items()):
-            if size != n or not len(table):
+class EvalLookup:
+    """The eval index arranged for lookups: per n-gram length, the union of every set's
+    hashes (sorted) and which sets hold each one (bits, one per set), so a document needs one
+    binary search per length however many eval sets there are."""
+
+    def __init__(self, index: EvalIndex) -> None:
+        self.names = tuple(sorted({name for name, _ in index}))
+        column = {name: i for i, name in enumerate(self.names)}
+        self.tables: list[tuple[int, np.ndarray, np.ndarray]] = []  # (n, hashes, owner bits)
+        for n in sorted({n for _, n in index}):
+            parts = [(column[name], t) for (name, size), t in index.items() if size == n]
+            parts = [(c, t) for c, t in parts if len(t)]
+            if not parts:
                 continue
+            union = sorted_unique(np.concatenate([t for _, t in parts]))
+            owners = np.zeros((len(union), len(self.names)), dtype=bool)
+            for c, table in parts:
+                owners[np.searchsorted(union, table), c] = True
+            self.tables.append((n, union, np.packbits(owners, axis=1)))
+
+    def matches(self, text: str, min_overlap: int) -> tuple[dict[str, int], str | None]:
+        """Eval sets sharing >= min_overlap distinct n-grams with ``text`` ({set: count}),
+        and an example shared n-gram (the earliest in the text), or ``({}, None)``."""
+        tokens = words(text)
+        if not tokens:
+            return {}, None
+        hashes = token_hashes(tokens)
+        counts = np.zeros(len(self.names), dtype=np.int64)
+        example: tuple[int, int] | None = None  # (position, n) of the earliest match
+        tables = {n: (table, owner_bits) for n, table, owner_bits in self.tables}
+        for n, grams in ngram_hashes_by_length(hashes, list(tables)):
+            table, owner_bits = tables[n]
             slots = np.minimum(np.searchsorted(table, grams), len(table) - 1)
             hit = table[slots] == grams
             if not hit.any():
                 continue
-            counts[name] = counts.get(name, 0) + len(np.unique(grams[hit]))
+            distinct = sorted_unique(slots[hit])  # one slot per distinct shared n-gram
+            owners = np.unpackbits(owner_bits[distinct], axis=1, count=len(self.names))
+            counts += owners.sum(axis=0, dtype=np.int64)
             first = int(np.argmax(hit))
             if example is None or (first, n) < example:
                 example = (first, n)
-    matched = {name: c for name, c in sorted(counts.items()) if c >= min_overlap}
-    if not matched or example is None:
-        return {}, None
-    position, n = example
-    return matched, " ".join(tokens[position : position + n])
+        matched = {
+            name: int(c)
+            for name, c in zip(self.names, counts, strict=True)
+            if c and c >= min_overlap
+        }
+        if not matched or example is None:
+            return {}, None
+        position, n = example
+        return matched, " ".join(tokens[position : position + n])
 
 
-def check_document(doc: Document, index: EvalIndex, config: DecontaminateConfig) -> Iterator[Any]:
+def find_matches(
+    text: str, index: EvalIndex, min_overlap: int
+) -> tuple[dict[str, int], str | None]:
+    """:meth:`EvalLookup.matches` of ``text`` against ``index`` (tests, tools)."""
+    return EvalLookup(index).matches(text, min_overlap)
+
+
+class CheckDocuments(beam.DoFn):
+    """Kept documents, and dead letters for contaminated ones; the lookup is built once per
+    worker from the broadcast index, not per document."""
+
+    def __init__(self, config: DecontaminateConfig) -> None:
+        self.config = config
+        self._index: EvalIndex | None = None
+        self._lookup: EvalLookup | None = None
+
+    def process(self, doc: Document, index: EvalIndex) -> Iterator[Any]:
+        if self._lookup is None or index is not self._index:
+            self._index, self._lookup = index, EvalLookup(index)
+        yield from check_document(doc, self._lookup, self.config)
+
+
+def check_document(doc: Document, lookup: EvalLookup, config: DecontaminateConfig) -> Iterator[Any]:
     try:
-        matched, example = find_matches(doc["text"], index, config.min_overlap)
+        matched, example = lookup.matches(doc["text"], config.min_overlap)
     except Exception as err:  # one bad record must never take the pipeline down
         origin = str(doc.get("id", "")) if isinstance(doc, dict) else ""
         yield pvalue.TaggedOutput(
@@ -208,13 +281,9 @@ def build(docs: beam.PCollection, config: DecontaminateConfig) -> StageOutputs:
     grams = read[RECORDS] | "EvalNgrams" >> beam.FlatMap(eval_ngrams, config).with_outputs(
         STATS, INVALID, main="grams"
     )
-    index = (
-        grams["grams"]
-        | "GroupEvalNgrams" >> beam.GroupByKey()
-        | "SortedArrays" >> beam.Map(to_sorted_array)
-    )
-    checked = docs | "Check" >> beam.FlatMap(
-        check_document, beam.pvalue.AsDict(index), config
+    index = grams["grams"] | "UnionEvalNgrams" >> beam.CombinePerKey(UnionHashes())
+    checked = docs | "Check" >> beam.ParDo(
+        CheckDocuments(config), beam.pvalue.AsDict(index)
     ).with_outputs(DEAD, main="kept")
     contaminated = (
         checked[DEAD]

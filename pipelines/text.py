@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -117,3 +117,26 @@ def ngram_hashes(hashes: np.ndarray, n: int) -> np.ndarray:
         for k in range(1, n):
             result = result * _NGRAM_MULTIPLIER + hashes[k : k + count]
     return result
+
+
+def ngram_hashes_by_length(
+    hashes: np.ndarray, lengths: Sequence[int]
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(n, ngram_hashes(hashes, n))`` for each ``n`` of ascending ``lengths``, each length
+    grown from the previous one by one multiply-add (``h(n+1) = h(n) * M + t[i+n]``): max(n)
+    passes over the text instead of sum(n), with the same hashes."""
+    current = 0
+    grams = np.zeros(0, dtype=np.uint64)
+    for n in lengths:
+        if n < 1 or n < current:
+            raise ValueError("lengths must be >= 1 and ascending")
+        count = len(hashes) - n + 1
+        if count <= 0:
+            return  # longer n-grams do not fit either
+        if current == 0:
+            grams, current = hashes.copy(), 1
+        with np.errstate(over="ignore"):
+            while current < n:
+                grams = grams[: len(hashes) - current] * _NGRAM_MULTIPLIER + hashes[current:]
+                current += 1
+        yield n, grams[:count]
