@@ -20,7 +20,6 @@ multi-megabyte document costs seconds, never minutes.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,13 @@ from pipelines.beam_io import DEAD
 from pipelines.configs import QualityConfig, QualityThresholds
 from pipelines.documents import Document, dead_letter
 from pipelines.stage import StageOutputs, StageRun, stage_main
-from pipelines.text import line_spans, ngram_hashes, paragraph_spans, token_hashes, words
+from pipelines.text import (
+    line_spans,
+    ngram_hashes_by_length,
+    paragraph_spans,
+    token_hashes,
+    words,
+)
 
 STAGE = "quality"
 
@@ -57,8 +62,11 @@ BOILERPLATE_MARKERS = (
 TOP_NGRAM_SIZES = (2, 3, 4)
 DUPLICATE_NGRAM_SIZES = (5, 6, 7, 8, 9, 10)
 
-_ALPHA = re.compile(r"[^\W\d_]")  # a letter in any script
-_NOT_SYMBOL = re.compile(r"[\w]")  # a token with no letter/digit is a "symbol" token
+_TOKEN = re.compile(r"\S+")  # a whitespace token, as ``str.split()`` gives them
+# Whitespace tokens holding a letter (any script) / a word character (a token with none is a
+# "symbol" token): matched from the token's start, so each token matches at most once.
+_ALPHA_TOKEN = re.compile(r"(?<!\S)\S*?[^\W\d_]")
+_NOT_SYMBOL_TOKEN = re.compile(r"(?<!\S)(?=\S*?\w)\S+")
 _LOREM = re.compile(r"lorem\s+ipsum", re.IGNORECASE)
 SCORE_DIGITS = 6
 
@@ -153,21 +161,25 @@ def _ngram_groups(grams: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """Group equal n-gram hashes with one sort: (order, group starts in it, group sizes)."""
     order = np.argsort(grams)
     ordered = grams[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    sizes = np.diff(np.append(starts, len(grams)))
+    first = np.empty(len(grams), dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    sizes = np.empty(len(starts), dtype=np.int64)
+    sizes[:-1] = starts[1:] - starts[:-1]
+    sizes[-1] = len(grams) - starts[-1]
     return order, starts, sizes
 
 
-def _top_ngram_char_fraction(hashes: np.ndarray, ends: np.ndarray, n: int, total: int) -> float:
+def _top_ngram_char_fraction(
+    groups: tuple[np.ndarray, np.ndarray, np.ndarray], ends: np.ndarray, n: int, total: int
+) -> float:
     """Characters covered by the most frequent n-gram, as a fraction of all word characters.
 
     Ties between equally frequent n-grams go to the longest one. Occurrences may overlap
     (``a a a``), so the raw product can exceed the text; it is capped at 1.
     """
-    grams = ngram_hashes(hashes, n)
-    if not len(grams) or not total:
-        return 0.0
-    order, _, sizes = _ngram_groups(grams)
+    order, _, sizes = groups
     top = int(sizes.max())
     if top < 2:
         return 0.0
@@ -178,22 +190,20 @@ def _top_ngram_char_fraction(hashes: np.ndarray, ends: np.ndarray, n: int, total
 
 
 def _duplicate_ngram_char_fraction(
-    hashes: np.ndarray, lengths: np.ndarray, n: int, total: int
+    groups: tuple[np.ndarray, np.ndarray, np.ndarray], lengths: np.ndarray, n: int, total: int
 ) -> float:
     """Characters of words inside a repeated occurrence of some n-gram (each counted once).
 
     The first occurrence of an n-gram is not a repeat; every later one is (as in Gopher and
     datatrove), and a word covered by several repeats counts once.
     """
-    grams = ngram_hashes(hashes, n)
-    if not len(grams) or not total:
-        return 0.0
-    order, starts, _ = _ngram_groups(grams)
-    positions = np.arange(len(hashes))
+    order, starts, _ = groups
+    count = len(order)
+    positions = np.arange(len(lengths))
     # The latest repeat starting at or before each word (-n: none yet); the word is covered
     # when that repeat, n words long, reaches it.
-    latest = np.full(len(hashes), -n, dtype=np.int64)
-    latest[: len(grams)] = positions[: len(grams)]
+    latest = np.full(len(lengths), -n, dtype=np.int64)
+    latest[:count] = positions[:count]
     latest[np.minimum.reduceat(order, starts)] = -n  # first occurrences are not repeats
     np.maximum.accumulate(latest, out=latest)
     covered = latest > positions - n
@@ -201,45 +211,56 @@ def _duplicate_ngram_char_fraction(
 
 
 def repetition_scores(tokens: Sequence[str]) -> dict[str, float]:
-    """Gopher's n-gram repetition scores over word tokens (``pipelines.text.words``)."""
+    """Gopher's n-gram repetition scores over word tokens (``pipelines.text.words``).
+
+    Sizes are taken in ascending order, each n-gram hash grown from the last. Once no n-gram
+    of some size repeats, none of a larger size can (its first n words would repeat too), so
+    every larger size scores 0 without being grouped: most short documents stop at bigrams.
+    """
     hashes = token_hashes(tokens)
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     ends = np.concatenate(([0], np.cumsum(lengths)))
     total = int(ends[-1])
-    scores = {
-        f"top_{n}gram_char_fraction": _top_ngram_char_fraction(hashes, ends, n, total)
-        for n in TOP_NGRAM_SIZES
-    }
-    for n in DUPLICATE_NGRAM_SIZES:
-        scores[f"duplicate_{n}gram_char_fraction"] = _duplicate_ngram_char_fraction(
-            hashes, lengths, n, total
-        )
+    scores = {f"top_{n}gram_char_fraction": 0.0 for n in TOP_NGRAM_SIZES}
+    scores |= {f"duplicate_{n}gram_char_fraction": 0.0 for n in DUPLICATE_NGRAM_SIZES}
+    if not total:
+        return scores
+    for n, grams in ngram_hashes_by_length(
+        hashes, sorted({*TOP_NGRAM_SIZES, *DUPLICATE_NGRAM_SIZES})
+    ):
+        groups = _ngram_groups(grams)
+        if len(groups[1]) == len(grams):  # no n-gram repeats: nor does any longer one
+            break
+        if n in TOP_NGRAM_SIZES:
+            scores[f"top_{n}gram_char_fraction"] = _top_ngram_char_fraction(groups, ends, n, total)
+        if n in DUPLICATE_NGRAM_SIZES:
+            scores[f"duplicate_{n}gram_char_fraction"] = _duplicate_ngram_char_fraction(
+                groups, lengths, n, total
+            )
     return scores
 
 
-def _word_scores(text: str) -> dict[str, float]:
+def _word_scores(text: str, word_tokens: Sequence[str]) -> dict[str, float]:
     """Gopher's word statistics over whitespace tokens (punctuation attached, as in the paper).
 
-    Per-token checks run once per distinct token (``Counter`` does the counting in C), which
-    keeps multi-megabyte documents fast.
+    Each count is one regular-expression scan of the whole text in C, not a Python loop over
+    tokens: a token is a maximal run of non-whitespace (what ``str.split()`` returns), and a
+    match anchored at a token's start (``(?<!\\S)``) counts that token once. Stop words are
+    counted over ``word_tokens`` (``pipelines.text.words`` of the text): ``words`` never spans
+    whitespace, so that equals counting them token by token.
     """
-    tokens = Counter(text.split())
-    word_count = word_chars = alpha = stop_words = 0
-    for token, count in tokens.items():
-        if _NOT_SYMBOL.search(token):
-            word_count += count
-            word_chars += count * len(token)
-        if _ALPHA.search(token):
-            alpha += count
-        # ``words`` never spans whitespace, so counting per token equals counting the text.
-        stop_words += count * sum(1 for w in words(token) if w in STOP_WORDS)
+    not_symbol = _NOT_SYMBOL_TOKEN.findall(text)
+    word_count = len(not_symbol)
+    word_chars = sum(map(len, not_symbol))
+    alpha = len(_ALPHA_TOKEN.findall(text))
+    stop_words = sum(map(STOP_WORDS.__contains__, word_tokens))
     ellipses = sum(text.count(e) for e in ELLIPSES)
     return {
         "word_count": word_count,
         "mean_word_length": _ratio(word_chars, word_count),
         "hash_word_ratio": _ratio(text.count("#"), word_count),
         "ellipsis_word_ratio": _ratio(ellipses, word_count),
-        "alpha_word_fraction": _ratio(alpha, tokens.total()),
+        "alpha_word_fraction": _ratio(alpha, len(_TOKEN.findall(text))),
         "stop_words": stop_words,
     }
 
@@ -274,7 +295,7 @@ def score_text(text: str) -> dict[str, float]:
     dup_paragraphs, dup_paragraph_chars = _duplicate_fractions(text, paragraphs)
     word_tokens = words(text)
     scores: dict[str, float] = {
-        **_word_scores(text),
+        **_word_scores(text, word_tokens),
         **_line_scores(text, lines),
         "duplicate_line_fraction": dup_lines,
         "duplicate_line_char_fraction": dup_line_chars,

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pipelines.exact_dedup import remove_spans
-from pipelines.text import line_spans, ngram_hashes, paragraph_spans, token_hashes
+from pipelines.text import (
+    line_spans,
+    ngram_hashes,
+    ngram_hashes_by_length,
+    paragraph_spans,
+    token_hashes,
+)
 
 
 def pieces(text: str, spans: list[tuple[int, int]]) -> list[str]:
@@ -57,3 +64,21 @@ def test_token_hash_is_xxh3():
     import xxhash
 
     assert int(token_hashes(["slipway"])[0]) == xxhash.xxh3_64_intdigest(b"slipway")
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 13, 14, 200])
+def test_ngram_hashes_by_length_match_one_length_at_a_time(size):
+    """Grown length by length, the hashes equal ``ngram_hashes`` of each length; lengths that
+    no longer fit the text end the sequence."""
+    hashes = np.random.default_rng(size).integers(0, 2**64 - 1, size, dtype=np.uint64)
+    lengths = [2, 3, 5, 8, 9, 13, 20]
+    grown = list(ngram_hashes_by_length(hashes, lengths))
+    expected = [(n, ngram_hashes(hashes, n)) for n in lengths if size >= n]
+    assert [n for n, _ in grown] == [n for n, _ in expected]
+    for (_, got), (_, want) in zip(grown, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_ngram_hashes_by_length_wants_ascending_lengths():
+    with pytest.raises(ValueError, match="ascending"):
+        list(ngram_hashes_by_length(np.arange(20, dtype=np.uint64), [5, 3]))
