@@ -265,8 +265,9 @@ def _write_shard(
     sort_key: Callable[[Any], Any],
 ) -> dict[str, Any]:
     index, records = item
-    rows = sorted((r for r in records if r is not None), key=sort_key)
-    payload = "".join(dumps(r) + "\n" for r in rows).encode("utf-8")
+    # Each record is encoded once: its line is both the tie-break of the order and the output.
+    rows = sorted((sort_key(r), dumps(r)) for r in records if r is not None)
+    payload = "".join(line + "\n" for _, line in rows).encode("utf-8")
     data = storage.gzip_bytes(payload)
     relative = shard_name(prefix, index, num_shards)
     path = storage.join(output_dir, relative)
@@ -275,8 +276,9 @@ def _write_shard(
     return asdict(ShardInfo(relative, len(rows), len(data), storage.sha256_hex(data)))
 
 
-def document_sort_key(doc: Document) -> tuple[str, str]:
-    return (doc["id"], dumps(doc))
+def document_sort_key(doc: Document) -> str:
+    """Documents in a shard: by id, then by their JSON line (``_write_shard`` adds it)."""
+    return doc["id"]
 
 
 class WriteShards(beam.PTransform):
