@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock require
 DATA ?= data
 OUT ?= out
 
-.PHONY: install lock corpora browser demo demo-data sweep-demo airflow test lint format bench bench-pytorch clean
+.PHONY: install lock corpora browser demo demo-data sweep-demo airflow test lint format bench bench-pytorch torch-venv datatrove-venv clean
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -114,9 +114,11 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: install
+bench: install datatrove-venv torch-venv
 	@# As modules from the checkout's root: the benchmarks share tests/support with the tests.
 	@for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) -m tests.bench.$$(basename $$b .py) || exit 1; done
+	@# the trainer against PyTorch eager and compiled, every shape (issue 18's ratios)
+	@echo "== tests/bench/reference_pytorch.py"; $(TORCH_VENV)/bin/python -m tests.bench.reference_pytorch
 
 # The PyTorch reference the trainer's MFU target is set against (tests/bench/reference_pytorch.py).
 # PyTorch is no dependency of Slipway: it goes into its own venv, which sees .venv's packages
@@ -124,13 +126,32 @@ bench: install
 # x86_64 the default wheel is a multi-GB CUDA build, which also runs on the CPU.
 TORCH_VENV := .venv-pytorch
 TORCH_VERSION ?= 2.13.0
-bench-pytorch: install
+# rebuilt when .venv is (its stamp changes name) or the torch version changes
+TORCH_STAMP := $(TORCH_VENV)/.installed-$(TORCH_VERSION)-$(notdir $(STAMP))
+$(TORCH_STAMP): $(STAMP)
 	@test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
 	@# addsitedir, not a bare path: .venv's own .pth files (the editable install) must run too
 	@$(TORCH_VENV)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/slipway-venv.pth', 'w').write('import site; site.addsitedir(%r)\\n' % sys.argv[1])" \
 		"$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
 	$(TORCH_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	@rm -f $(TORCH_VENV)/.installed-* && touch $@
+
+torch-venv: $(TORCH_STAMP)
+
+bench-pytorch: install torch-venv
 	$(TORCH_VENV)/bin/python -m tests.bench.reference_pytorch
 
+# DataTrove, the data plane's baseline in tests/bench/bench_datatrove.py: no dependency of
+# Slipway (never in requirements.lock), so it gets its own venv, pinned by
+# tests/bench/datatrove-requirements.txt and rebuilt when that file changes.
+DATATROVE_VENV := .venv-datatrove
+DATATROVE_STAMP := $(DATATROVE_VENV)/.installed-$(shell cat tests/bench/datatrove-requirements.txt 2>/dev/null | sha1sum | cut -c1-12)
+$(DATATROVE_STAMP):
+	@test -x $(DATATROVE_VENV)/bin/python || $(PYTHON) -m venv $(DATATROVE_VENV)
+	$(DATATROVE_VENV)/bin/python -m pip install --quiet -r tests/bench/datatrove-requirements.txt
+	@rm -f $(DATATROVE_VENV)/.installed-* && touch $@
+
+datatrove-venv: $(DATATROVE_STAMP)
+
 clean:
-	rm -rf $(OUT) .pytest_cache .ruff_cache $(TORCH_VENV)
+	rm -rf $(OUT) .pytest_cache .ruff_cache $(TORCH_VENV) $(DATATROVE_VENV)
