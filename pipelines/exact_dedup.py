@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 STAGE = "exact_dedup"
 CHARS = "chars"
 ERRORS = "errors"
+GROUPS = "groups"  # a text hash shared by several documents
+SHARED = "shared"  # a paragraph hash shared by several documents
 
 Span = tuple[int, int]
 # A document's place in the choice of canonical copy: its id, then its content, so that even
@@ -77,39 +79,26 @@ def key_by_text_hash(doc: Document) -> Iterator[Any]:
         yield _processing_error(doc, err)
 
 
-class _SmallestRank(beam.CombineFn):
-    """Per hash: the smallest rank and the group size. Constant-size accumulators, so a hash
-    shared by millions of copies is combined on many workers before the shuffle."""
+def resolve_duplicates(item: tuple[str, Iterable[Document]]) -> Iterator[Any]:
+    """One text hash's documents -> the one with the smallest rank kept, the others
+    dead-lettered; a tagged ``GROUPS`` count for a hash shared by several documents.
 
-    def create_accumulator(self) -> tuple[Rank | None, int]:
-        return (None, 0)
-
-    def add_input(self, acc: tuple[Rank | None, int], rank: Rank) -> tuple[Rank | None, int]:
-        best, count = acc
-        return (rank if best is None or rank < best else best, count + 1)
-
-    def merge_accumulators(
-        self, accumulators: Iterable[tuple[Rank | None, int]]
-    ) -> tuple[Rank | None, int]:
-        ranks = [best for best, _ in accumulators]
-        counts = [count for _, count in accumulators]
-        present = [r for r in ranks if r is not None]
-        return (min(present) if present else None, sum(counts))
-
-    def extract_output(self, acc: tuple[Rank | None, int]) -> tuple[Rank | None, int]:
-        return acc
-
-
-def resolve_duplicates(item: tuple[str, dict[str, list[Any]]]) -> Iterator[Any]:
-    """Keep the document whose rank is the group's smallest; dead-letter the others.
-
-    The group's documents are streamed once (never held in memory together).
+    A group of one (almost every document) is kept without ranking it. A larger group is read
+    twice, the smallest rank first (a GroupByKey's values are re-iterable and streamed, so a
+    hash shared by millions of copies is never held in memory).
     """
-    _, grouped = item
-    ((canonical, _),) = grouped["canonical"]
-    canonical = tuple(canonical)  # coders may hand a tuple back as a list
+    _, docs = item
+    members = iter(docs)
+    first = next(members, None)
+    if first is None:
+        return
+    if next(members, None) is None:
+        yield first
+        return
+    yield pvalue.TaggedOutput(GROUPS, 1)
+    canonical = min(document_rank(doc) for doc in docs)
     kept = False
-    for doc in grouped["docs"]:
+    for doc in docs:
         if not kept and document_rank(doc) == canonical:
             kept = True
             yield doc
@@ -125,19 +114,13 @@ def dedup_documents(docs: beam.PCollection) -> tuple[Any, Any, Any]:
     keyed = docs | "KeyByTextHash" >> beam.FlatMap(key_by_text_hash).with_outputs(
         DEAD, main="keyed"
     )
-    canonical = (
-        keyed["keyed"]
-        | "Rank" >> beam.MapTuple(lambda digest, doc: (digest, document_rank(doc)))
-        | "SmallestRank" >> beam.CombinePerKey(_SmallestRank())
-    )
     resolved = (
-        {"docs": keyed["keyed"], "canonical": canonical}
-        | "JoinCanonical" >> beam.CoGroupByKey()
-        | "Resolve" >> beam.FlatMap(resolve_duplicates).with_outputs(DEAD, main="kept")
+        keyed["keyed"]
+        | "GroupByTextHash" >> beam.GroupByKey()
+        | "Resolve" >> beam.FlatMap(resolve_duplicates).with_outputs(DEAD, GROUPS, main="kept")
     )
     groups = (
-        canonical
-        | "DuplicateGroups" >> beam.Filter(lambda item: item[1][1] > 1)
+        resolved[GROUPS]
         | "CountGroups" >> beam.combiners.Count.Globally()
         | "GroupsExtra" >> beam.Map(lambda n: {"exact_duplicate_groups": n})
     )
@@ -179,46 +162,30 @@ def paragraph_occurrences(doc: Document, config: ExactDedupConfig) -> Iterator[A
     yield from found
 
 
-class _OwnerAndSpread(beam.CombineFn):
-    """Per paragraph hash: the smallest document key, and whether another document has it."""
-
-    def create_accumulator(self) -> tuple[DocKey | None, bool]:
-        return (None, False)
-
-    def add_input(self, acc: tuple[DocKey | None, bool], key: DocKey) -> tuple[DocKey | None, bool]:
-        owner, shared = acc
-        key = tuple(key)
-        if owner is None:
-            return (key, shared)
-        return (min(owner, key), shared or key != owner)
-
-    def merge_accumulators(
-        self, accumulators: Iterable[tuple[DocKey | None, bool]]
-    ) -> tuple[DocKey | None, bool]:
-        owners = set()
-        shared = False
-        for owner, acc_shared in accumulators:
-            shared = shared or acc_shared
-            if owner is not None:
-                owners.add(tuple(owner))
-        return (min(owners) if owners else None, shared or len(owners) > 1)
-
-    def extract_output(self, acc: tuple[DocKey | None, bool]) -> tuple[DocKey | None, bool]:
-        return acc
-
-
-def repeated_spans(item: tuple[str, dict[str, list[Any]]]) -> Iterator[tuple[DocKey, Span]]:
-    """(doc key, span) for every occurrence of a shared paragraph outside its owner document.
+def repeated_spans(item: tuple[str, Iterable[Any]]) -> Iterator[Any]:
+    """One paragraph hash's occurrences -> (doc key, span) for every occurrence outside the
+    owner (the smallest document key), and a tagged ``SHARED`` count when several documents
+    have it.
 
     The owner keeps all its occurrences: repetition inside one document is the quality
-    filter's business (its duplicate-paragraph rules), not cross-document dedup's.
+    filter's business (its duplicate-paragraph rules), not cross-document dedup's. The group
+    is read twice (owner first), streamed both times: a boilerplate paragraph in millions of
+    documents costs no memory.
     """
-    _, grouped = item
-    ((owner, shared),) = grouped["owner"]
+    _, occurrences = item
+    owner: DocKey | None = None
+    shared = False
+    for key, _, _ in occurrences:
+        key = tuple(key)  # coders may hand a tuple back as a list
+        if owner is None:
+            owner = key
+        elif key != owner:
+            shared = True
+            owner = min(owner, key)
     if not shared:
         return
-    owner = tuple(owner)
-    for key, start, end in grouped["occurrences"]:
+    yield pvalue.TaggedOutput(SHARED, 1)
+    for key, start, end in occurrences:
         key = tuple(key)
         if key != owner:
             yield (key, (start, end))
@@ -277,24 +244,21 @@ def dedup_paragraphs(docs: beam.PCollection, config: ExactDedupConfig) -> tuple[
     occurrences = docs | "Paragraphs" >> beam.FlatMap(paragraph_occurrences, config).with_outputs(
         ERRORS, main="occurrences"
     )
-    owners = (
-        occurrences["occurrences"]
-        | "ParagraphDocKey" >> beam.MapTuple(lambda digest, occurrence: (digest, occurrence[0]))
-        | "OwnerAndSpread" >> beam.CombinePerKey(_OwnerAndSpread())
-    )
     spans = (
-        {"occurrences": occurrences["occurrences"], "owner": owners}
-        | "JoinOwner" >> beam.CoGroupByKey()
-        | "RepeatedSpans" >> beam.FlatMap(repeated_spans)
+        occurrences["occurrences"]
+        | "GroupByParagraph" >> beam.GroupByKey()
+        | "RepeatedSpans" >> beam.FlatMap(repeated_spans).with_outputs(SHARED, main="spans")
     )
     attached = (
-        {"docs": docs | "KeyByDoc" >> beam.Map(lambda d: (document_key(d), d)), "spans": spans}
+        {
+            "docs": docs | "KeyByDoc" >> beam.Map(lambda d: (document_key(d), d)),
+            "spans": spans["spans"],
+        }
         | "JoinSpans" >> beam.CoGroupByKey()
         | "Attach" >> beam.FlatMap(attach_spans, config).with_outputs(DEAD, CHARS, main="kept")
     )
     shared = (
-        owners
-        | "SharedParagraphs" >> beam.Filter(lambda item: item[1][1])
+        spans[SHARED]
         | "CountShared" >> beam.combiners.Count.Globally()
         | "SharedExtra" >> beam.Map(lambda n: {"duplicate_paragraphs": n})
     )
@@ -309,7 +273,7 @@ def dedup_paragraphs(docs: beam.PCollection, config: ExactDedupConfig) -> tuple[
         | "CharsExtra" >> beam.Map(lambda n: {chars_key: n})
     )
     marked_docs = (
-        spans
+        spans["spans"]
         | "SpanDocIds" >> beam.Keys()
         | "DistinctDocIds" >> beam.Distinct()
         | "CountMarkedDocs" >> beam.combiners.Count.Globally()
