@@ -64,8 +64,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
     remat: bool = False  # rematerialize each layer in the backward pass (memory for compute)
     # how the layer stack runs: "scan" (lax.scan: compile time constant in depth), "unroll" (one
-    # copy of the layer per layer: faster steps on XLA:CPU), "auto" = unroll on the CPU backend,
-    # scan on accelerators
+    # copy of the layer per layer: faster steps), "auto" = unroll on the CPU backend and on
+    # accelerators up to 16 layers (model.UNROLL_MAX_LAYERS_ACCELERATOR), scan deeper ones there
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # attention kernel (trainer/kernels.py): "auto" = the CPU-tuned blocked path on CPU,
     # cuDNN flash attention on GPU (16-bit), XLA's fused attention on TPU; or one of

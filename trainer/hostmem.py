@@ -12,7 +12,13 @@ step to step.
 (non-main arenas ``mmap`` anything above 64 MiB whatever the settings), no ``mmap`` for large
 blocks, no trimming of the heap's top. The price is that freed host memory is kept by the
 process rather than returned to the OS: resident memory stays at its high-water mark, which a
-training process reaches on its first step anyway.
+training process reaches on its first steps anyway.
+
+"No trimming" is a trim threshold of -1 (``mallopt(3)``: -1 disables trimming; glibc stores
+it as SIZE_MAX). The largest threshold an ``int`` can give otherwise, 2 GiB, is not enough:
+at issue 18's hidden-512 shape (8 x 512 tokens) the step's temporaries are 2.3 GiB, every step
+freed them into a top chunk above 2 GiB, and glibc gave it back: 600,000 page faults (2.3 GB
+zero-filled) per step, as with no settings at all.
 
 On accelerators the step's temporaries live in device memory and host threads (input,
 checkpoint writes) want their own arenas, so nothing is changed when an accelerator plugin is
@@ -31,6 +37,7 @@ import sys
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
+_NEVER_TRIM = -1  # as the threshold: trimming off (size_t -1), whatever the heap's size
 
 _ACCELERATOR_PLUGINS = ("libtpu", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 _applied = False
@@ -70,7 +77,7 @@ def keep_step_memory_warm() -> bool:
     ok = (
         mallopt(_M_ARENA_MAX, 1) == 1
         and mallopt(_M_MMAP_MAX, 0) == 1
-        and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+        and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
     )
     _applied = ok
     return ok

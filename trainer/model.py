@@ -10,9 +10,10 @@ Conventions:
   be passed straight through ``jax.jit`` with per-leaf shardings.
 - Weights are raw arrays laid out ``(in, ..., out)`` and applied with ``einsum``; each named
   weight has logical axes in ``PARAM_AXES`` which ``trainer.sharding`` maps to mesh axes.
-- Layers are stacked along a leading axis. On accelerators they run with ``lax.scan`` (compile
-  time constant in depth, which matters for 8B TPU runs); on the CPU backend one copy per
-  layer is traced instead, which XLA:CPU runs faster (``ModelConfig.layer_loop``).
+- Layers are stacked along a leading axis. On accelerators deep stacks run with ``lax.scan``
+  (compile time constant in depth, which matters for 8B TPU runs); on the CPU backend, and on
+  accelerators up to ``UNROLL_MAX_LAYERS_ACCELERATOR`` layers, one copy per layer is traced
+  instead, which runs faster (``ModelConfig.layer_loop``).
 - Numerically sensitive pieces (norm statistics, softmax, router, loss) run in float32
   whatever the compute dtype.
 """
@@ -417,17 +418,24 @@ def segments_and_positions(tokens: Array, eos_id: int) -> tuple[Array, Array]:
     return segments, idx - doc_start
 
 
+UNROLL_MAX_LAYERS_ACCELERATOR = 16  # deeper stacks scan on accelerators (compile time)
+
+
 def unroll_layers(cfg: ModelConfig) -> bool:
     """Whether ``Transformer.hidden`` traces one copy of the layer per layer instead of a scan.
 
     On XLA:CPU the scan's stacked per-layer residuals are zero-filled and copied in and out
     every step, and no layer's work overlaps another's: unrolled, the 30m step is 1.08x faster
-    and the 75m 1.04x, with bit-identical results (docs/benchmarks.md, session 6). On
-    accelerators the scan stays the default, as in MaxText and Levanter: unrolled compile time
-    grows with depth (8-layer 75m on CPU: 12.9 vs 9.8 s). Decided at trace time, when the
-    backend is known."""
+    and the 75m 1.04x, with bit-identical results (docs/benchmarks.md, session 6). On a TPU the
+    stacking costs copies too: unrolled, the 150m step on a v5e took 69 instead of 80 ms and
+    the 300m 200 instead of 230 (docs/benchmarks.md, accelerator section), for about twice the
+    compile time (17 vs 8 s). Deeper models keep the scan on accelerators, as in MaxText and
+    Levanter: unrolled compile time grows with depth. Decided at trace time, when the backend
+    is known."""
     if cfg.layer_loop == "auto":
-        return jax.default_backend() == "cpu"
+        if jax.default_backend() == "cpu":
+            return True
+        return cfg.num_layers <= UNROLL_MAX_LAYERS_ACCELERATOR
     return cfg.layer_loop == "unroll"
 
 

@@ -2,7 +2,7 @@
 the 150m and 300m presets, with MFU against the chip's bf16 peak and a same-run matmul peak.
 
     python -m tests.bench.bench_accelerator [--presets 150m,300m] [--batch 8] [--seq 2048]
-        [--steps 10] [--attention auto,splash] [--json OUT]
+        [--steps 10] [--attention auto,splash] [--json OUT] [--profile DIR]
 
 One command, prepared for a machine with an accelerator (``docs/benchmarks.md`` says how it
 was run on a TPU v5e). On a CPU-only machine it says so and exits 0, so ``make bench`` can run
@@ -18,6 +18,10 @@ halved: the PaLM/Marin convention) times the tokens. Two denominators:
 
 * the chip's published dense bf16 peak (``trainer.shapes.CHIP_PEAK_FLOPS``, by device kind);
 * an 8192^3 bf16 matmul measured in the same process (what the chip sustains here).
+
+``--profile DIR``: after the timed steps, a ``jax.profiler`` trace of 3 more steps per row,
+``DIR/<preset>-<attention>-<batch>x<seq>/.../*.xplane.pb`` (read with xprof, see
+``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -70,7 +74,9 @@ def matmul_peak(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def bench(preset: str, attention: str, batch: int, seq: int, steps: int, store: str) -> dict:
+def bench(
+    preset: str, attention: str, batch: int, seq: int, steps: int, store: str, profile: str = ""
+) -> dict:
     import jax
 
     from trainer.config import load_config
@@ -108,6 +114,12 @@ def bench(preset: str, attention: str, batch: int, seq: int, steps: int, store: 
         state, m = step(state, fixed)
     jax.block_until_ready(m)
     step_s = (time.perf_counter() - t) / steps
+    if profile:
+        jax.profiler.start_trace(str(Path(profile) / f"{preset}-{attention}-{batch}x{seq}"))
+        for _ in range(3):
+            state, m = step(state, fixed)
+        jax.block_until_ready(m)
+        jax.profiler.stop_trace()
     flops = flops_per_token(run.mcfg, seq) * batch * seq
     return {
         "preset": preset,
@@ -133,6 +145,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default="")
+    parser.add_argument("--profile", default="", help="folder for jax.profiler traces")
     args = parser.parse_args()
 
     import jax
@@ -158,7 +171,7 @@ def main() -> int:
     for preset in args.presets.split(","):
         for attention in args.attention.split(","):
             try:
-                r = bench(preset, attention, args.batch, args.seq, args.steps, store)
+                r = bench(preset, attention, args.batch, args.seq, args.steps, store, args.profile)
             except Exception as exc:  # out of memory, a kernel this chip lacks: say so
                 print(f"{preset} {attention}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                 rows.append({"preset": preset, "attention": attention, "error": str(exc)[:300]})

@@ -224,6 +224,35 @@ def test_custom_gradients_match_plain_autodiff(monkeypatch, z_loss_coef, kv_head
                 )
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_accelerator_matmuls_match_plain_autodiff(monkeypatch, kv_heads):
+    """``dense`` and ``swiglu`` as they run on accelerators (autodiff, no custom VJP, chosen at
+    trace time from the backend, faked here as a TPU's) against the reference objective."""
+    import trainer.kernels as kernels
+    from trainer.train import loss_and_stats
+
+    _, model = _tiny(num_kv_heads=kv_heads, attention="xla")
+    toks = jax.random.randint(jax.random.key(6), (2, 33), 1, 20).at[:, ::7].set(0)
+    x = jax.random.normal(jax.random.key(7), (2, 5, 8))
+    wgu, wd = jax.random.normal(jax.random.key(8), (8, 2, 12)), jnp.ones((12, 8)) / 12
+    with jax.default_matmul_precision("highest"):
+        ref, ref_grads = jax.value_and_grad(lambda m: _reference_objective(m, toks, 0, 1e-2))(model)
+        cpu = jax.grad(lambda *a: jnp.sum(kernels.swiglu(*a) ** 2), argnums=(0, 1, 2))(x, wgu, wd)
+        monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+        acc = jax.grad(lambda *a: jnp.sum(kernels.swiglu(*a) ** 2), argnums=(0, 1, 2))(x, wgu, wd)
+        obj, grads = jax.value_and_grad(
+            lambda m: loss_and_stats(
+                m, jnp.zeros((2, 0)), document_batch(toks, 0), z_loss_coef=1e-2, dtype=jnp.float32
+            )[0]
+        )(model)
+    for a, c in zip(acc, cpu, strict=True):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(obj, ref, rtol=1e-6)
+    leaves, ref_leaves = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)
+    for g, r in zip(leaves, ref_leaves, strict=True):
+        np.testing.assert_allclose(g, r, atol=2e-5 * float(jnp.max(jnp.abs(r))))
+
+
 @pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)])
 def test_scanned_and_unrolled_layers_agree(moe):
     from trainer.model import unroll_layers
@@ -256,14 +285,18 @@ def test_scanned_and_unrolled_layers_agree(moe):
         np.testing.assert_allclose(g_u, g_s, rtol=1e-5, atol=1e-7)
 
 
-def test_layer_loop_auto_unrolls_on_cpu_only(monkeypatch):
-    from trainer.model import unroll_layers
+def test_layer_loop_auto_unrolls_on_cpu_and_shallow_accelerator_models(monkeypatch):
+    from trainer.model import UNROLL_MAX_LAYERS_ACCELERATOR, unroll_layers
 
     cfg, _ = _tiny()
     assert cfg.layer_loop == "auto" and unroll_layers(cfg)  # the tests run on the CPU backend
+    deep = dataclasses.replace(cfg, num_layers=UNROLL_MAX_LAYERS_ACCELERATOR + 1)
+    assert unroll_layers(deep)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert not unroll_layers(cfg)
-    assert unroll_layers(dataclasses.replace(cfg, layer_loop="unroll"))
+    assert unroll_layers(cfg)  # shallow: unrolled on accelerators too
+    assert not unroll_layers(deep)
+    assert unroll_layers(dataclasses.replace(deep, layer_loop="unroll"))
+    assert not unroll_layers(dataclasses.replace(cfg, layer_loop="scan"))
 
 
 def test_token_nll_equals_logits_cross_entropy():
