@@ -45,6 +45,41 @@ from trainer.train import BatchFeeder, checkpoint_write_threads, setup
 VOCAB = 8192
 SEQ = 1024
 BATCH = 4
+# The benchmarked shapes: name -> (config overrides, sequence length, batch). The presets run
+# at SEQ x BATCH; "h512" is issue 18's GPT-2-small-like shape (hidden 512, 8 layers, 8 heads of
+# 64, MLP 1408, tied embeddings, ~30M parameters at this vocabulary) at 512 x 8 tokens, "h768" a
+# wider one (12 heads of 64, MLP 2048, 6 layers to keep a step of PyTorch under ~10 s here).
+SHAPES: dict[str, tuple[tuple[str, ...], int, int]] = {
+    "30m": (("model.preset=30m",), SEQ, BATCH),
+    "75m": (("model.preset=75m",), SEQ, BATCH),
+    "150m": (("model.preset=150m",), SEQ, BATCH),
+    "h512": (
+        (
+            "model.hidden_dim=512",
+            "model.num_layers=8",
+            "model.num_heads=8",
+            "model.num_kv_heads=8",
+            "model.head_dim=64",
+            "model.intermediate_dim=1408",
+            "model.tie_embeddings=true",
+        ),
+        512,
+        8,
+    ),
+    "h768": (
+        (
+            "model.hidden_dim=768",
+            "model.num_layers=6",
+            "model.num_heads=12",
+            "model.num_kv_heads=12",
+            "model.head_dim=64",
+            "model.intermediate_dim=2048",
+            "model.tie_embeddings=true",
+        ),
+        512,
+        8,
+    ),
+}
 SAVE_EVERY = 10  # steps per block in the checkpoint-overhead phase: a save every ~4-15 s here
 # (a stress setting: Levanter's CheckpointerConfig saves a temporary checkpoint every 15 minutes)
 
@@ -121,17 +156,19 @@ def _step(step, state, batch):
     return state, time.perf_counter() - t
 
 
-def preset_config(preset: str, store: str, out: str):
-    """The benchmark's training config for one preset (shared with reference_pytorch.py)."""
+def preset_config(shape: str, store: str, out: str):
+    """The benchmark's training config for one of ``SHAPES`` (shared with
+    reference_pytorch.py); its ``seq_len`` and ``batch_size`` are the shape's."""
+    overrides, seq, batch = SHAPES[shape]
     return load_config(
         None,
         [
             f"output_dir={out}",
             f"data.sources=[{{path: {store}}}]",
-            f"model.preset={preset}",
+            *overrides,
             "steps=100000",
-            f"batch_size={BATCH}",
-            f"seq_len={SEQ}",
+            f"batch_size={batch}",
+            f"seq_len={seq}",
             "checkpoint.resume=false",
             "optimizer.warmup_steps=10",
         ],
@@ -142,7 +179,8 @@ def bench_preset(
     preset: str, store: str, out: str, steps: int, rounds: int, peak: Peak, compute_steps: int
 ) -> dict:
     run = setup(preset_config(preset, store, out))
-    feeder = BatchFeeder(run.loader, run.mesh, SEQ, BATCH)
+    seq, batch = run.cfg.seq_len, run.cfg.batch_size  # the shape's
+    feeder = BatchFeeder(run.loader, run.mesh, seq, batch)
     fixed = feeder.get(0)
     state = run.state
     t = time.perf_counter()
@@ -151,8 +189,8 @@ def bench_preset(
     for _ in range(3):  # warm up as the timed loop runs: the peak's buffers shape the heap too
         peak.sample(seconds=0.1)
         state, dt = _step(step, state, fixed)
-    fpt = flops_per_token(run.mcfg, SEQ)
-    flops_per_step = BATCH * SEQ * fpt
+    fpt = flops_per_token(run.mcfg, seq)
+    flops_per_step = batch * seq * fpt
 
     # 1. compute: one fixed device batch; each step right after its own peak sample, taken
     # over as long as the previous step lasted
@@ -226,13 +264,15 @@ def bench_preset(
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
     return {
         "preset": preset,
+        "seq_len": seq,
+        "batch": batch,
         "params": param_count(run.mcfg),
         "flops_per_token": fpt,
         "compile_s": compile_s,
         "layers_unrolled": unroll_layers(run.mcfg),  # model.layer_loop "auto": unrolled on CPU
         "step_s_median": float(np.median(t_fixed_a)),
         "step_s_min": float(np.min(t_fixed_a)),
-        "tokens_per_s": BATCH * SEQ / float(np.median(t_fixed_a)),
+        "tokens_per_s": batch * seq / float(np.median(t_fixed_a)),
         # per step: achieved FLOP/s over the jnp.dot peak sampled just before that step
         "mfu_vs_matmul_peak": float(np.median(mfu)),
         # least-disturbed estimates of both: fastest step over the highest peak sample
@@ -258,7 +298,7 @@ def bench_preset(
     }
 
 
-def run(steps: int = 10, rounds: int = 6, compute_steps: int = 30) -> dict:
+def run(steps: int = 10, rounds: int = 6, compute_steps: int = 30, shapes: str = "30m,75m") -> dict:
     # what `python -m trainer.train` does first on a CPU-only machine (trainer/hostmem.py)
     warm = hostmem.keep_step_memory_warm()
     peak = Peak()
@@ -268,7 +308,7 @@ def run(steps: int = 10, rounds: int = 6, compute_steps: int = 30) -> dict:
         write_random_store(store, vocab_size=VOCAB, num_docs=3000)
         rows = [
             bench_preset(p, store, f"{tmp}/{p}", steps, rounds, peak, compute_steps)
-            for p in ("30m", "75m")
+            for p in shapes.split(",")
         ]
     return {
         "device": jax.devices()[0].device_kind,
@@ -276,8 +316,6 @@ def run(steps: int = 10, rounds: int = 6, compute_steps: int = 30) -> dict:
         "matmul_peak_gflops_median": float(np.median(peak.samples)) / 1e9,
         "matmul_peak_gflops_max": max(peak.samples) / 1e9,
         "vocab": VOCAB,
-        "seq_len": SEQ,
-        "batch": BATCH,
         "save_every": SAVE_EVERY,
         "malloc_kept_warm": warm,
         "presets": rows,
@@ -289,10 +327,10 @@ def table(r: dict) -> str:
     lines = [
         f"jnp.dot peak (1024^2 f32, sampled before every timed step): median "
         f"{r['matmul_peak_gflops_median']:.0f}, max {r['matmul_peak_gflops_max']:.0f} GFLOP/s; "
-        f"peak RSS {r['peak_rss_mib']:.0f} MiB; vocab {r['vocab']}, seq {r['seq_len']}, "
-        f"batch {r['batch']}; malloc kept warm (trainer/hostmem.py): {r['malloc_kept_warm']}",
+        f"peak RSS {r['peak_rss_mib']:.0f} MiB; vocab {r['vocab']}; "
+        f"malloc kept warm (trainer/hostmem.py): {r['malloc_kept_warm']}",
         "",
-        "| preset | params | FLOPs/token | tokens/s | MFU (median step, p25-p75) "
+        "| shape (seq x batch) | params | FLOPs/token | tokens/s | MFU (median step, p25-p75) "
         "| MFU (best step / best peak) | page faults / step "
         f"| loader overhead (paired steps) / wait per step | async ckpt overhead (save every {r['save_every']}) "
         "| per save: extra s / host copy s / writer CPU s | state MiB | save s | restore s "
@@ -301,7 +339,8 @@ def table(r: dict) -> str:
     ]
     for p in r["presets"]:
         lines.append(
-            f"| {p['preset']} ({'unrolled' if p['layers_unrolled'] else 'scan'}) "
+            f"| {p['preset']} ({p['seq_len']} x {p['batch']}, "
+            f"{'unrolled' if p['layers_unrolled'] else 'scan'}) "
             f"| {p['params'] / 1e6:.2f}M | {p['flops_per_token'] / 1e6:.1f}M | "
             f"{p['tokens_per_s']:.0f} | {100 * p['mfu_vs_matmul_peak']:.1f}% "
             f"({100 * p['mfu_p25_p75'][0]:.0f}-{100 * p['mfu_p25_p75'][1]:.0f}%) | "
@@ -330,9 +369,12 @@ if __name__ == "__main__":
         "--compute-steps", type=int, default=30, help="timed steps for tokens/s and MFU"
     )
     parser.add_argument("--rounds", type=int, default=6, help="checkpoint block pairs")
+    parser.add_argument(
+        "--shapes", default="30m,75m", help=f"comma-separated, of {','.join(SHAPES)}"
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    res = run(args.steps, args.rounds, args.compute_steps)
+    res = run(args.steps, args.rounds, args.compute_steps, args.shapes)
     print(table(res))
     if args.json:
         with open(args.json, "w") as f:
