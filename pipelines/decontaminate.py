@@ -45,7 +45,13 @@ from pipelines.stage import (
     StageRun,
     stage_main,
 )
-from pipelines.text import ngram_hashes, ngram_hashes_by_length, token_hashes, words
+from pipelines.text import (
+    ngram_hashes,
+    ngram_hashes_by_length,
+    sorted_unique,
+    token_hashes,
+    words,
+)
 
 STAGE = "decontaminate"
 STATS = "stats"
@@ -82,18 +88,6 @@ def eval_ngrams(item: tuple[str, Any], config: DecontaminateConfig) -> Iterator[
         return
     yield pvalue.TaggedOutput(STATS, (name, (1, 0)))
     yield ((name, n), ngram_hashes(token_hashes(tokens), n))  # made unique by UnionHashes
-
-
-def sorted_unique(values: np.ndarray) -> np.ndarray:
-    """``np.unique`` by one sort (NumPy's hash-based unique costs ~0.1 ms
-    per call even for a few elements, which the eval side calls once per record)."""
-    ordered = np.sort(values)
-    if len(ordered) < 2:
-        return ordered
-    keep = np.empty(len(ordered), dtype=bool)
-    keep[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
-    return ordered[keep]
 
 
 class UnionHashes(beam.CombineFn):
@@ -150,7 +144,7 @@ class EvalLookup:
     def __init__(self, index: EvalIndex) -> None:
         self.names = tuple(sorted({name for name, _ in index}))
         column = {name: i for i, name in enumerate(self.names)}
-        self.tables: list[tuple[int, np.ndarray, np.ndarray]] = []  # (n, hashes, owner bits)
+        self.tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> (hashes, owner bits)
         for n in sorted({n for _, n in index}):
             parts = [(column[name], t) for (name, size), t in index.items() if size == n]
             parts = [(c, t) for c, t in parts if len(t)]
@@ -160,7 +154,8 @@ class EvalLookup:
             owners = np.zeros((len(union), len(self.names)), dtype=bool)
             for c, table in parts:
                 owners[np.searchsorted(union, table), c] = True
-            self.tables.append((n, union, np.packbits(owners, axis=1)))
+            self.tables[n] = (union, np.packbits(owners, axis=1))
+        self.lengths = sorted(self.tables)
 
     def matches(self, text: str, min_overlap: int) -> tuple[dict[str, int], str | None]:
         """Eval sets sharing >= min_overlap distinct n-grams with ``text`` ({set: count}),
@@ -171,9 +166,8 @@ class EvalLookup:
         hashes = token_hashes(tokens)
         counts = np.zeros(len(self.names), dtype=np.int64)
         example: tuple[int, int] | None = None  # (position, n) of the earliest match
-        tables = {n: (table, owner_bits) for n, table, owner_bits in self.tables}
-        for n, grams in ngram_hashes_by_length(hashes, list(tables)):
-            table, owner_bits = tables[n]
+        for n, grams in ngram_hashes_by_length(hashes, self.lengths):
+            table, owner_bits = self.tables[n]
             slots = np.minimum(np.searchsorted(table, grams), len(table) - 1)
             hit = table[slots] == grams
             if not hit.any():

@@ -33,6 +33,7 @@ from pipelines.configs import QualityConfig, QualityThresholds
 from pipelines.documents import Document, dead_letter
 from pipelines.stage import StageOutputs, StageRun, stage_main
 from pipelines.text import (
+    first_of_runs,
     line_spans,
     ngram_hashes_by_length,
     paragraph_spans,
@@ -160,11 +161,7 @@ def _duplicate_fractions(text: str, spans: Sequence[tuple[int, int]]) -> tuple[f
 def _ngram_groups(grams: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group equal n-gram hashes with one sort: (order, group starts in it, group sizes)."""
     order = np.argsort(grams)
-    ordered = grams[order]
-    first = np.empty(len(grams), dtype=bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
+    starts = np.flatnonzero(first_of_runs(grams[order]))
     sizes = np.empty(len(starts), dtype=np.int64)
     sizes[:-1] = starts[1:] - starts[:-1]
     sizes[-1] = len(grams) - starts[-1]

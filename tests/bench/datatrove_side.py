@@ -32,6 +32,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from datatrove.executor import LocalPipelineExecutor
@@ -137,6 +138,19 @@ def quality(args: argparse.Namespace) -> dict[str, float]:
     return {"filters": run("quality", pipeline, args.work, args.tasks, args.workers)}
 
 
+def filter_step(args: argparse.Namespace, make_filter: Callable[[JsonlWriter], object]) -> float:
+    """A dedup's last stage: the input through ``make_filter(writer of the removed)`` into
+    ``kept/``, the removed into ``removed/`` (what the recall/precision check reads)."""
+    removed = JsonlWriter(str(args.work / "removed"))
+    return run(
+        "filter",
+        [reader(args.input), make_filter(removed), JsonlWriter(str(args.work / "kept"))],
+        args.work,
+        args.tasks,
+        args.workers,
+    )
+
+
 def exact(args: argparse.Namespace) -> dict[str, float]:
     config = ExactDedupConfig(content_getter=dedup_key, hash_config=HashConfig(precision=64))
     sigs, dups = args.work / "sigs", args.work / "dups"
@@ -155,20 +169,11 @@ def exact(args: argparse.Namespace) -> dict[str, float]:
         1,
         1,
     )
-    steps["filter"] = run(
-        "filter",
-        [
-            reader(args.input),
-            ExactDedupFilter(
-                data_folder=str(dups),
-                config=config,
-                exclusion_writer=JsonlWriter(str(args.work / "removed")),
-            ),
-            JsonlWriter(str(args.work / "kept")),
-        ],
-        args.work,
-        args.tasks,
-        args.workers,
+    steps["filter"] = filter_step(
+        args,
+        lambda removed: ExactDedupFilter(
+            data_folder=str(dups), config=config, exclusion_writer=removed
+        ),
     )
     return steps
 
@@ -223,20 +228,11 @@ def minhash(args: argparse.Namespace) -> dict[str, float]:
         1,
         1,
     )
-    steps["filter"] = run(
-        "filter",
-        [
-            reader(args.input),
-            MinhashDedupFilter(
-                input_folder=str(clusters),
-                exclusion_writer=JsonlWriter(str(args.work / "removed")),
-                load_cluster_ids=True,
-            ),
-            JsonlWriter(str(args.work / "kept")),
-        ],
-        args.work,
-        args.tasks,
-        args.workers,
+    steps["filter"] = filter_step(
+        args,
+        lambda removed: MinhashDedupFilter(
+            input_folder=str(clusters), exclusion_writer=removed, load_cluster_ids=True
+        ),
     )
     return steps
 

@@ -11,6 +11,7 @@ from pipelines.text import (
     ngram_hashes,
     ngram_hashes_by_length,
     paragraph_spans,
+    sorted_unique,
     token_hashes,
 )
 
@@ -68,12 +69,24 @@ def test_token_hash_is_xxh3():
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 13, 14, 200])
 def test_ngram_hashes_by_length_match_one_length_at_a_time(size):
-    """Grown length by length, the hashes equal ``ngram_hashes`` of each length; lengths that
-    no longer fit the text end the sequence."""
+    """Grown length by length, the hashes equal the polynomial hash of each length written out
+    in Python integers (and ``ngram_hashes``'s); lengths that no longer fit end the sequence."""
     hashes = np.random.default_rng(size).integers(0, 2**64 - 1, size, dtype=np.uint64)
     lengths = [2, 3, 5, 8, 9, 13, 20]
     grown = list(ngram_hashes_by_length(hashes, lengths))
-    expected = [(n, ngram_hashes(hashes, n)) for n in lengths if size >= n]
+
+    def polynomial(n: int) -> np.ndarray:
+        values = []
+        for i in range(size - n + 1):
+            h = 0
+            for t in hashes[i : i + n].tolist():
+                h = (h * 0x9E3779B97F4A7C15 + t) % 2**64
+            values.append(h)
+        return np.array(values, dtype=np.uint64)
+
+    expected = [(n, polynomial(n)) for n in lengths if size >= n]
+    for n, want in expected:
+        np.testing.assert_array_equal(ngram_hashes(hashes, n), want)
     assert [n for n, _ in grown] == [n for n, _ in expected]
     for (_, got), (_, want) in zip(grown, expected, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -82,3 +95,9 @@ def test_ngram_hashes_by_length_match_one_length_at_a_time(size):
 def test_ngram_hashes_by_length_wants_ascending_lengths():
     with pytest.raises(ValueError, match="ascending"):
         list(ngram_hashes_by_length(np.arange(20, dtype=np.uint64), [5, 3]))
+
+
+def test_sorted_unique_equals_numpy_unique():
+    values = np.random.default_rng(3).integers(0, 50, 400, dtype=np.uint64)
+    for part in (values[:0], values[:1], values):
+        np.testing.assert_array_equal(sorted_unique(part), np.unique(part))
