@@ -257,6 +257,42 @@ def shard_name(prefix: str, index: int, num_shards: int) -> str:
     return f"{prefix}-{index:05d}-of-{num_shards:05d}.jsonl.gz"
 
 
+class ShardFileWriter:
+    """One output shard, written as its lines come: deterministic gzipped JSONL (``GzipStream``)
+    under a temporary name until ``close`` (``storage.atomic_writer``). The caller hands the
+    lines in the shard's order; ``close`` returns the shard's ``ShardInfo`` as a dict.
+    """
+
+    def __init__(self, output_dir: str, relative: str) -> None:
+        self.relative = relative
+        path = storage.join(output_dir, relative)
+        storage.makedirs(os.path.dirname(path) if "://" not in path else path.rsplit("/", 1)[0])
+        self._file = storage.atomic_writer(path)
+        handle = self._file.__enter__()
+        self._gzip = storage.GzipStream(handle.write)
+        self.records = 0
+
+    def write(self, line: str) -> None:
+        self._gzip.write((line + "\n").encode("utf-8"))
+        self.records += 1
+
+    def close(self) -> dict[str, Any]:
+        self._gzip.finish()
+        self._file.__exit__(None, None, None)
+        return asdict(
+            ShardInfo(
+                self.relative,
+                self.records,
+                self._gzip.compressed_bytes,
+                self._gzip.sha256.hexdigest(),
+            )
+        )
+
+    def abort(self) -> None:
+        """Drop the unfinished shard (its temporary file) after a failure."""
+        self._file.__exit__(RuntimeError, RuntimeError("shard abandoned"), None)
+
+
 def _write_shard(
     item: tuple[int, Iterable[Any]],
     output_dir: str,
@@ -267,13 +303,10 @@ def _write_shard(
     index, records = item
     # Each record is encoded once: its line is both the tie-break of the order and the output.
     rows = sorted((sort_key(r), dumps(r)) for r in records if r is not None)
-    payload = "".join(line + "\n" for _, line in rows).encode("utf-8")
-    data = storage.gzip_bytes(payload)
-    relative = shard_name(prefix, index, num_shards)
-    path = storage.join(output_dir, relative)
-    storage.makedirs(os.path.dirname(path) if "://" not in path else path.rsplit("/", 1)[0])
-    storage.write_bytes_atomic(path, data)
-    return asdict(ShardInfo(relative, len(rows), len(data), storage.sha256_hex(data)))
+    writer = ShardFileWriter(output_dir, shard_name(prefix, index, num_shards))
+    for _, line in rows:
+        writer.write(line)
+    return writer.close()
 
 
 def document_sort_key(doc: Document) -> str:

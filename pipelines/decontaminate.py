@@ -39,12 +39,8 @@ from apache_beam import pvalue
 from pipelines.beam_io import DEAD, RECORDS, ReadRecords
 from pipelines.configs import DecontaminateConfig
 from pipelines.documents import Document, InvalidRecord, dead_letter, validate_document
-from pipelines.stage import (
-    StageError,
-    StageOutputs,
-    StageRun,
-    stage_main,
-)
+from pipelines.map_stage import MapDocuments, MapParts
+from pipelines.stage import StageError, StageRun, stage_main
 from pipelines.text import (
     ngram_hashes,
     ngram_hashes_by_length,
@@ -267,42 +263,45 @@ def _extra(
     }
 
 
-def build(docs: beam.PCollection, config: DecontaminateConfig) -> StageOutputs:
+def parts(pipeline: beam.Pipeline, config: DecontaminateConfig) -> MapParts:
+    """The eval index (built in the pipeline, broadcast) and the per-document check."""
     if not config.eval_sets:
         raise StageError(f"{STAGE}: at least one eval set is required (--eval_set PATH)")
-    pipeline = docs.pipeline
     read = pipeline | "ReadEvalSets" >> ReadRecords(list(config.eval_sets))
     grams = read[RECORDS] | "EvalNgrams" >> beam.FlatMap(eval_ngrams, config).with_outputs(
         STATS, INVALID, main="grams"
     )
     index = grams["grams"] | "UnionEvalNgrams" >> beam.CombinePerKey(UnionHashes())
-    checked = docs | "Check" >> beam.ParDo(
-        CheckDocuments(config), beam.pvalue.AsDict(index)
-    ).with_outputs(DEAD, main="kept")
-    contaminated = (
-        checked[DEAD]
-        | "MatchedSets" >> beam.FlatMap(lambda letter: letter.get("eval_sets", []))
-        | "CountPerSet" >> beam.combiners.Count.PerElement()
-    )
     stats = grams[STATS] | "EvalStats" >> beam.CombinePerKey(_add_pairs)
     invalid = (
         (grams[INVALID], read[DEAD] | "UnreadableEval" >> beam.Map(lambda _: 1))
         | "AllInvalidEval" >> beam.Flatten()
         | "CountInvalidEval" >> beam.CombineGlobally(sum)
     )
-    extra = (
-        pipeline
-        | "ExtraOnce" >> beam.Create([None])
-        | "Extra"
-        >> beam.Map(
-            _extra,
-            beam.pvalue.AsDict(contaminated),
-            beam.pvalue.AsDict(stats),
-            beam.pvalue.AsDict(index),
-            beam.pvalue.AsSingleton(invalid),
+
+    def extra(letters: beam.PCollection) -> beam.PCollection:
+        contaminated = (
+            letters
+            | "MatchedSets" >> beam.FlatMap(lambda letter: letter.get("eval_sets", []))
+            | "CountPerSet" >> beam.combiners.Count.PerElement()
         )
-    )
-    return StageOutputs(checked["kept"], checked[DEAD], extra)
+        return (
+            pipeline
+            | "ExtraOnce" >> beam.Create([None])
+            | "Extra"
+            >> beam.Map(
+                _extra,
+                beam.pvalue.AsDict(contaminated),
+                beam.pvalue.AsDict(stats),
+                beam.pvalue.AsDict(index),
+                beam.pvalue.AsSingleton(invalid),
+            )
+        )
+
+    return MapParts(CheckDocuments(config), [beam.pvalue.AsDict(index)], extra)
+
+
+build = MapDocuments(parts).build  # the harness's path, for callers that hold a collection
 
 
 def _add_eval_set(parser: argparse.ArgumentParser) -> None:
@@ -324,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
         STAGE,
         __doc__ or STAGE,
         DecontaminateConfig,
-        build,
+        MapDocuments(parts),
         argv,
         add_arguments=_add_eval_set,
         apply_arguments=_apply_eval_set,

@@ -19,6 +19,7 @@ multi-megabyte document costs seconds, never minutes.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ from apache_beam import pvalue
 from pipelines.beam_io import DEAD
 from pipelines.configs import QualityConfig, QualityThresholds
 from pipelines.documents import Document, dead_letter
-from pipelines.stage import StageOutputs, StageRun, stage_main
+from pipelines.map_stage import MapDocuments, MapParts
+from pipelines.stage import StageRun, stage_main
 from pipelines.text import (
     first_of_runs,
     line_spans,
@@ -63,12 +65,15 @@ BOILERPLATE_MARKERS = (
 TOP_NGRAM_SIZES = (2, 3, 4)
 DUPLICATE_NGRAM_SIZES = (5, 6, 7, 8, 9, 10)
 
-_TOKEN = re.compile(r"\S+")  # a whitespace token, as ``str.split()`` gives them
-# Whitespace tokens holding a letter (any script) / a word character (a token with none is a
-# "symbol" token): matched from the token's start, so each token matches at most once.
-_ALPHA_TOKEN = re.compile(r"(?<!\S)\S*?[^\W\d_]")
-_NOT_SYMBOL_TOKEN = re.compile(r"(?<!\S)(?=\S*?\w)\S+")
+# Whitespace tokens (what ``str.split()`` gives) without a word character ("symbol" tokens) /
+# without a letter of any script: whole tokens, bounded by whitespace or the text's ends. Both
+# are rare in text, so counting them is cheaper than counting their complements.
+_SYMBOL_TOKEN = re.compile(r"(?<!\S)[^\w\s]+(?!\S)")
+_NO_LETTER_TOKEN = re.compile(r"(?<!\S)(?:[^\w\s]|[\d_])+(?!\S)")
 _LOREM = re.compile(r"lorem\s+ipsum", re.IGNORECASE)
+_BULLET_CHARS = frozenset(BULLETS)
+_TERMINAL_CHARS = frozenset(TERMINAL_PUNCTUATION)
+_BOILERPLATE = re.compile("|".join(map(re.escape, BOILERPLATE_MARKERS)))
 SCORE_DIGITS = 6
 
 
@@ -240,16 +245,17 @@ def repetition_scores(tokens: Sequence[str]) -> dict[str, float]:
 def _word_scores(text: str, word_tokens: Sequence[str]) -> dict[str, float]:
     """Gopher's word statistics over whitespace tokens (punctuation attached, as in the paper).
 
-    Each count is one regular-expression scan of the whole text in C, not a Python loop over
-    tokens: a token is a maximal run of non-whitespace (what ``str.split()`` returns), and a
-    match anchored at a token's start (``(?<!\\S)``) counts that token once. Stop words are
+    No Python loop over tokens: the tokens are ``str.split()``'s, and the rare kinds (symbol
+    tokens, tokens without a letter) are counted by one regular-expression scan each, whose
+    matches are whole tokens (bounded by whitespace on both sides). Stop words are
     counted over ``word_tokens`` (``pipelines.text.words`` of the text): ``words`` never spans
     whitespace, so that equals counting them token by token.
     """
-    not_symbol = _NOT_SYMBOL_TOKEN.findall(text)
-    word_count = len(not_symbol)
-    word_chars = sum(map(len, not_symbol))
-    alpha = len(_ALPHA_TOKEN.findall(text))
+    tokens = text.split()
+    symbols = _SYMBOL_TOKEN.findall(text)  # rare, so cheap to collect
+    word_count = len(tokens) - len(symbols)
+    word_chars = sum(map(len, tokens)) - sum(map(len, symbols))
+    alpha = len(tokens) - len(_NO_LETTER_TOKEN.findall(text))
     stop_words = sum(map(STOP_WORDS.__contains__, word_tokens))
     ellipses = sum(text.count(e) for e in ELLIPSES)
     return {
@@ -257,43 +263,63 @@ def _word_scores(text: str, word_tokens: Sequence[str]) -> dict[str, float]:
         "mean_word_length": _ratio(word_chars, word_count),
         "hash_word_ratio": _ratio(text.count("#"), word_count),
         "ellipsis_word_ratio": _ratio(ellipses, word_count),
-        "alpha_word_fraction": _ratio(alpha, len(_TOKEN.findall(text))),
+        "alpha_word_fraction": _ratio(alpha, len(tokens)),
         "stop_words": stop_words,
     }
 
 
-def _line_scores(text: str, lines: Sequence[str]) -> dict[str, float]:
-    """Per-line statistics over non-blank lines (blank lines only separate paragraphs)."""
-    count = len(lines)
-    bullets = sum(1 for line in lines if line.startswith(BULLETS))
-    ellipsis = sum(1 for line in lines if line.endswith(ELLIPSES))
-    terminal = sum(1 for line in lines if line.endswith(TERMINAL_PUNCTUATION))
-    boilerplate = 0
-    for line in lines:
-        lowered = line.lower()
-        if any(marker in lowered for marker in BOILERPLATE_MARKERS):
-            boilerplate += 1
+def _line_scores(text: str, spans: Sequence[tuple[int, int]]) -> dict[str, float]:
+    """Per-line statistics over non-blank lines (blank lines only separate paragraphs).
+
+    Lines are ``line_spans`` (stripped), so a line's first and last characters are
+    ``text[start]`` and ``text[end - 1]``: each count is a set lookup per line, not a slice.
+    """
+    count = len(spans)
+    bullets = sum(map(_BULLET_CHARS.__contains__, [text[start] for start, _ in spans]))
+    lasts = [text[end - 1] for _, end in spans]
+    terminal = sum(map(_TERMINAL_CHARS.__contains__, lasts))
+    ellipsis = sum(
+        1
+        for (start, end), last in zip(spans, lasts, strict=True)
+        if last == "…" or (last == "." and text.endswith("...", start, end))
+    )
     return {
         "bullet_line_fraction": _ratio(bullets, count),
         "ellipsis_line_fraction": _ratio(ellipsis, count),
         "terminal_punctuation_line_fraction": _ratio(terminal, count),
-        "boilerplate_line_fraction": _ratio(boilerplate, count),
+        "boilerplate_line_fraction": _ratio(_boilerplate_lines(text, spans), count),
         "lorem_ipsum": len(_LOREM.findall(text)),
         "curly_brackets": text.count("{"),
     }
 
 
+def _boilerplate_lines(text: str, spans: Sequence[tuple[int, int]]) -> int:
+    """Lines whose lowercased text holds a boilerplate marker: one scan of the whole text.
+
+    Markers are ASCII and hold no line break, so each match lies inside one line. Lowering
+    the whole text maps offsets one to one unless some character lowers to several (``İ``);
+    then each line is lowered on its own instead.
+    """
+    lowered = text.lower()
+    if len(lowered) != len(text):
+        return sum(1 for s, e in spans if _BOILERPLATE.search(text[s:e].lower()))
+    starts = [start for start, _ in spans]
+    lines = {
+        bisect.bisect_right(starts, match.start()) - 1 for match in _BOILERPLATE.finditer(lowered)
+    }
+    return len(lines)
+
+
 def score_text(text: str) -> dict[str, float]:
     """Every rule's raw score for one text, rounded so stored scores re-apply exactly."""
     spans = line_spans(text)
-    lines = [text[start:end] for start, end in spans]
     paragraphs = paragraph_spans(text, spans)
     dup_lines, dup_line_chars = _duplicate_fractions(text, spans)
     dup_paragraphs, dup_paragraph_chars = _duplicate_fractions(text, paragraphs)
     word_tokens = words(text)
     scores: dict[str, float] = {
         **_word_scores(text, word_tokens),
-        **_line_scores(text, lines),
+        **_line_scores(text, spans),
         "duplicate_line_fraction": dup_lines,
         "duplicate_line_char_fraction": dup_line_chars,
         "duplicate_paragraph_fraction": dup_paragraphs,
@@ -354,15 +380,26 @@ def _filter_document(
     )
 
 
-def build(docs: beam.PCollection, config: QualityConfig) -> StageOutputs:
-    filtered = docs | "Score" >> beam.FlatMap(
-        filter_document, config.thresholds, config.resolved()
-    ).with_outputs(DEAD, main="kept")
-    return StageOutputs(filtered["kept"], filtered[DEAD])
+class FilterDocuments(beam.DoFn):
+    """``filter_document`` as the per-document step of the map stage."""
+
+    def __init__(self, config: QualityConfig) -> None:
+        self.defaults = config.thresholds
+        self.by_source = config.resolved()
+
+    def process(self, doc: Document) -> Iterator[Any]:
+        yield from filter_document(doc, self.defaults, self.by_source)
+
+
+def parts(pipeline: beam.Pipeline, config: QualityConfig) -> MapParts:
+    return MapParts(FilterDocuments(config))
+
+
+build = MapDocuments(parts).build  # the harness's path, for callers that hold a collection
 
 
 def main(argv: Sequence[str] | None = None) -> StageRun:
-    return stage_main(STAGE, __doc__ or STAGE, QualityConfig, build, argv)
+    return stage_main(STAGE, __doc__ or STAGE, QualityConfig, MapDocuments(parts), argv)
 
 
 if __name__ == "__main__":

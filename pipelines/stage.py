@@ -111,7 +111,7 @@ def _count_reasons(letters: beam.PCollection) -> beam.PCollection:
     )
 
 
-def _write_manifest(
+def write_document_manifest(
     _: Any,
     output: str,
     stage: str,
@@ -298,7 +298,7 @@ class DocumentShards:
         return Planned(
             records_in=total_in,
             dead=dead,
-            finish=_write_manifest,
+            finish=write_document_manifest,
             sides={"shards": beam.pvalue.AsList(shards), "extra": beam.pvalue.AsList(extra)},
         )
 

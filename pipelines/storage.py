@@ -6,12 +6,13 @@ Every pipeline reads and writes through these helpers so the same code runs on a
 
 from __future__ import annotations
 
-import gzip
+import contextlib
 import hashlib
-import io
 import posixpath
+import struct
+import uuid
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO
 
 import fsspec
@@ -56,18 +57,32 @@ def read_bytes(path: str) -> bytes:
         return handle.read()
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write a whole file so that readers see the old file or the new one, never half of one."""
+@contextlib.contextmanager
+def atomic_writer(path: str) -> Iterator[BinaryIO]:
+    """A file written in pieces that readers see whole or not at all, never half of it.
+
+    Local files are written under a temporary name and renamed; object stores (GCS) make a
+    single-object upload atomic already. A failure leaves no file (locally, no temporary).
+    """
     fs = filesystem(path)
     if "://" in path and not path.startswith("file://"):
-        # Object stores (GCS) make single-object uploads atomic already.
         with fs.open(path, "wb") as handle:
-            handle.write(data)
+            yield handle
         return
-    tmp = f"{path}.tmp-{hashlib.sha1(data).hexdigest()[:8]}"
-    with fs.open(tmp, "wb") as handle:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with fs.open(tmp, "wb") as handle:
+            yield handle
+        fs.mv(tmp, path)
+    finally:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write a whole file so that readers see the old file or the new one, never half of one."""
+    with atomic_writer(path) as handle:
         handle.write(data)
-    fs.mv(tmp, path)
 
 
 def _gunzip_chunks(raw: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[bytes]:
@@ -111,12 +126,53 @@ def iter_lines(path: str) -> Iterator[bytes]:
             yield pending.rstrip(b"\r")
 
 
+# GzipFile(filename="", mtime=0, compresslevel=6)'s header: no flags, no time, no extra flags, OS
+# "unknown". Written by hand so a file can be compressed as it streams (``GzipStream``).
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+GZIP_LEVEL = 6
+
+
+class GzipStream:
+    """Deterministic gzip, fed piece by piece: ``gzip_bytes`` of everything written, byte for
+    byte, without holding it. Deflate without flushes depends only on the input bytes, not on
+    how they were cut into pieces, so a streamed shard equals the one compressed at once.
+
+    ``sink`` receives the compressed bytes as they come (a file's ``write``, a list's
+    ``append``); the SHA-256 and size of what it received are kept for the shard's manifest.
+    """
+
+    def __init__(self, sink: Callable[[bytes], object]) -> None:
+        self._sink = sink
+        self._deflate = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS, 8, 0)
+        self._crc = 0
+        self._size = 0
+        self.sha256 = hashlib.sha256()
+        self.compressed_bytes = 0
+        self._emit(_GZIP_HEADER)
+
+    def _emit(self, data: bytes) -> None:
+        if data:
+            self.sha256.update(data)
+            self.compressed_bytes += len(data)
+            self._sink(data)
+
+    def write(self, data: bytes) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+        self._size += len(data)
+        self._emit(self._deflate.compress(data))
+
+    def finish(self) -> None:
+        self._emit(self._deflate.flush())
+        self._emit(struct.pack("<II", self._crc, self._size & 0xFFFFFFFF))
+
+
 def gzip_bytes(data: bytes) -> bytes:
     """Deterministic gzip: no file name, no timestamp, fixed level."""
-    out = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz:
-        gz.write(data)
-    return out.getvalue()
+    parts: list[bytes] = []
+    stream = GzipStream(parts.append)
+    stream.write(data)
+    stream.finish()
+    return b"".join(parts)
 
 
 def sha256_hex(data: bytes) -> str:

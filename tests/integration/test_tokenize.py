@@ -15,6 +15,7 @@ from pipelines import spm, tokenize, train_tokenizer
 from pipelines.artifact_stage import run_artifact_stage
 from pipelines.beam_io import read_dead_letters, stable_shard
 from pipelines.manifest import read_manifest
+from tests.support.sharded import write_id_sharded_output
 from tokenstore import TokenStore
 
 NUM_SHARDS = 3
@@ -174,23 +175,7 @@ def test_multi_processing_gives_identical_bytes(corpus, tokenizer_dir, store_run
 
 
 def _id_sharded_output(root: Path, docs: list[dict], extra_lines: dict[int, list[str]]) -> Path:
-    """A documents stage output as ``write_documents`` lays it out, plus raw lines per shard."""
-    from pipelines import storage
-    from pipelines.beam_io import shard_name
-    from pipelines.manifest import Manifest, ShardInfo
-
-    shards = []
-    for k in range(NUM_SHARDS):
-        mine = sorted((d for d in docs if stable_shard(d["id"], NUM_SHARDS) == k), key=str)
-        lines = [_line(d) for d in mine] + extra_lines.get(k, [])
-        data = storage.gzip_bytes("".join(lines).encode())
-        relative = shard_name("data/part", k, NUM_SHARDS)
-        (root / relative).parent.mkdir(parents=True, exist_ok=True)
-        (root / relative).write_bytes(data)
-        shards.append(ShardInfo(relative, len(lines), len(data), storage.sha256_hex(data)))
-    total = sum(s.records for s in shards)
-    Manifest("fixture", {}, [], total, total, {}, shards, []).write(str(root))
-    return root
+    return write_id_sharded_output(root, docs, NUM_SHARDS, extra_lines)
 
 
 def _tokenize_config(tokenizer: Path, **kw) -> tokenize.TokenizeConfig:

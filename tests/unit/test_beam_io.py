@@ -50,3 +50,36 @@ def test_hf_spec_is_split_into_shards():
 def test_glob_without_matches_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="matches no files"):
         resolve_inputs([str(tmp_path / "*.jsonl")])
+
+
+def test_gzip_stream_writes_gzip_files_bytes_whatever_the_pieces():
+    """Shards are compressed as their lines come; the file must be what GzipFile writes for the
+    whole payload at once (mtime 0, level 6), however the payload was cut."""
+    import gzip
+    import io
+    import random
+
+    from pipelines import storage
+
+    rng = random.Random(0)
+    payload = "".join(
+        f'{{"id":"d{i}","text":"{"word " * rng.randint(0, 400)}é😀"}}\n' for i in range(3000)
+    ).encode()
+    reference = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=reference, mtime=0, compresslevel=6) as gz:
+        gz.write(payload)
+    for _ in range(3):
+        pieces: list[bytes] = []
+        stream = storage.GzipStream(pieces.append)
+        at = 0
+        while at < len(payload):
+            step = rng.choice([1, 7, 100, 4096, 70_000])
+            stream.write(payload[at : at + step])
+            at += step
+        stream.finish()
+        written = b"".join(pieces)
+        assert written == reference.getvalue()
+        assert stream.compressed_bytes == len(written)
+        assert stream.sha256.hexdigest() == storage.sha256_hex(written)
+    assert storage.gzip_bytes(payload) == reference.getvalue()
+    assert gzip.decompress(storage.gzip_bytes(b"")) == b""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
 import pytest
 
+from pipelines import quality
 from pipelines.quality import (
     RULES,
     QualityConfig,
@@ -16,6 +18,7 @@ from pipelines.quality import (
     score_text,
 )
 from pipelines.stage import StageError, config_from_mapping
+from pipelines.text import line_spans
 
 ENGLISH = (
     "The history of the river valley is closely tied to the farmers who settled there in the"
@@ -201,3 +204,43 @@ def test_scoring_a_multi_megabyte_document_is_linear(shape, megabytes):
     assert elapsed < 60, f"scoring {size} chars took {elapsed:.1f}s"
     print(f"scored {size} chars ({shape}) in {elapsed:.1f}s")
     assert apply_thresholds(scores, QualityThresholds())[:1] in (["max_words"], ["min_words"])
+
+
+def test_line_rules_look_at_single_characters():
+    # _line_scores checks a line's first and last character against these sets.
+    assert all(len(c) == 1 for c in (*quality.BULLETS, *quality.TERMINAL_PUNCTUATION))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Accept Cookies here\nplain line\n  see our PRIVACY POLICY and javascript  \n\nend",
+        # 'İ' lowers to two characters: offsets in the lowered text shift, so lines are lowered
+        # one by one instead.
+        "İİİ İstanbul\nuse of cookies\nİ javascript İ\nnothing here",
+        "javascriptjavascript\nterms of usE",
+        "",
+    ],
+)
+def test_boilerplate_lines_are_counted_as_line_by_line(text):
+    spans = line_spans(text)
+    expected = sum(
+        1
+        for s, e in spans
+        if any(marker in text[s:e].lower() for marker in quality.BOILERPLATE_MARKERS)
+    )
+    assert quality._boilerplate_lines(text, spans) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a b", "  ", "x\u00a0y z", "__ 12 _a a1 ١٢ ..- \u2028z", "Σ! -- ... — ok", "ǅ 3.5 #tag #"],
+)
+def test_word_statistics_match_the_token_by_token_definition(text):
+    tokens = text.split()
+    words_ = [t for t in tokens if re.search(r"\w", t)]
+    scores = quality._word_scores(text, [])
+    assert scores["word_count"] == len(words_)
+    assert scores["mean_word_length"] == (sum(map(len, words_)) / len(words_) if words_ else 0.0)
+    alpha = sum(1 for t in tokens if re.search(r"[^\W\d_]", t))
+    assert scores["alpha_word_fraction"] == (alpha / len(tokens) if tokens else 0.0)
