@@ -259,8 +259,9 @@ def shard_name(prefix: str, index: int, num_shards: int) -> str:
 
 class ShardFileWriter:
     """One output shard, written as its lines come: deterministic gzipped JSONL (``GzipStream``)
-    under a temporary name until ``close`` (``storage.atomic_writer``). The caller hands the
-    lines in the shard's order; ``close`` returns the shard's ``ShardInfo`` as a dict.
+    under a temporary name until ``close`` (``storage.atomic_writer``). The caller hands either
+    the lines in the shard's order (``write``) or the documents in id order (``add_document``);
+    ``close`` returns the shard's ``ShardInfo`` as a dict.
     """
 
     def __init__(self, output_dir: str, relative: str) -> None:
@@ -271,12 +272,31 @@ class ShardFileWriter:
         handle = self._file.__enter__()
         self._gzip = storage.GzipStream(handle.write)
         self.records = 0
+        self._run_id: str | None = None
+        self._run: list[str] = []
+
+    def add_document(self, doc: Document) -> None:
+        """Documents in id order: each run of one id is sorted by line, as ``_write_shard``
+        orders a shard (``document_sort_key``, then the line)."""
+        doc_id = doc["id"]
+        if doc_id != self._run_id:
+            if self._run_id is not None and doc_id < self._run_id:
+                raise ValueError(f"documents out of id order: {doc_id!r} after {self._run_id!r}")
+            self._flush_run()
+            self._run_id = doc_id
+        self._run.append(dumps(doc))
+
+    def _flush_run(self) -> None:
+        for line in sorted(self._run):
+            self.write(line)
+        self._run = []
 
     def write(self, line: str) -> None:
         self._gzip.write((line + "\n").encode("utf-8"))
         self.records += 1
 
     def close(self) -> dict[str, Any]:
+        self._flush_run()
         self._gzip.finish()
         self._file.__exit__(None, None, None)
         return asdict(

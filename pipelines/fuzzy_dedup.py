@@ -33,9 +33,10 @@ split a cluster (keep a few extra near-duplicates), never merge unrelated docume
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
-import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -43,9 +44,16 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
-from pipelines.beam_io import DEAD
+from pipelines.beam_io import DEAD, ShardFileWriter, shard_name, stable_shard
 from pipelines.configs import FuzzyDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
+from pipelines.map_stage import (
+    INPUT_DEAD,
+    RECORDS_IN,
+    ShardDocuments,
+    input_shards,
+    planned_shards,
+)
 from pipelines.minhash import (
     MinHashParams,
     band_hashes,
@@ -54,7 +62,14 @@ from pipelines.minhash import (
     make_hasher,
     signatures,
 )
-from pipelines.stage import StageOutputs, StageRun, stage_main
+from pipelines.stage import (
+    DEFAULT_SHARDS,
+    DocumentShards,
+    Planned,
+    StageOutputs,
+    StageRun,
+    stage_main,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +86,6 @@ UNCONVERGED = "unconverged"
 NodeKey = tuple[int, str]
 Edge = tuple[NodeKey, NodeKey]  # always (larger, smaller)
 
-_BUCKET = ">HQ"  # (band index, bucket hash): a 10-byte shuffle key
-
 
 class NonConvergenceError(RuntimeError):
     """Connected components were not resolved within ``max_rounds``."""
@@ -86,55 +99,105 @@ def node_key(doc: Document) -> NodeKey:
 
 
 class _Signatures(beam.DoFn):
-    """A batch of documents -> (node, signature bytes), and tagged (bucket key, node) per band."""
+    """A batch of documents -> (node, signature bytes), and tagged ``BANDS`` bucket parts.
 
-    def __init__(self, params: MinHashParams, bands: int, rows: int) -> None:
+    The batch's (band, bucket, node) triples are not emitted one by one (23 shuffle records per
+    document) but as one part per bucket partition (``bucket % partitions``): a partition's
+    parts together hold every member of each of its buckets, whichever batch they came from.
+    """
+
+    def __init__(self, params: MinHashParams, bands: int, rows: int, partitions: int) -> None:
         self.params = params
         self.bands = bands
         self.rows = rows
+        self.partitions = partitions
 
     def setup(self) -> None:
         self.hasher = make_hasher(self.params)
 
     def process(self, batch: Sequence[Document]) -> Iterator[Any]:
         try:
-            yield from self._signatures(batch)
+            outputs = list(self._signatures(batch))
         except Exception:  # never lose the batch to one bad document: retry them one by one
+            outputs = []
             for doc in batch:
                 try:
-                    yield from self._signatures([doc])
+                    outputs.extend(self._signatures([doc]))
                 except Exception as err:
                     # Kept, as a singleton: failing to dedup a document must not drop it.
                     log.warning("%s: no signature for %r: %s", STAGE, doc.get("id"), err)
-                    yield pvalue.TaggedOutput(SIGNATURE_ERRORS, doc.get("id"))
+                    outputs.append(pvalue.TaggedOutput(SIGNATURE_ERRORS, doc.get("id")))
+        yield from outputs
 
     def _signatures(self, batch: Sequence[Document]) -> Iterator[Any]:
         sigs, counts = signatures([doc["text"] for doc in batch], self.hasher)
         keys = band_hashes(sigs, self.bands, self.rows, self.params.seed)
-        for doc, sig, count, row in zip(batch, sigs, counts, keys.tolist(), strict=True):
+        nodes = []
+        for doc, sig, count in zip(batch, sigs, counts, strict=True):
             node = node_key(doc)
             if count == 0:
                 # No words at all: no shingle set to compare, so never anyone's duplicate.
                 yield pvalue.TaggedOutput(NO_SHINGLES, node)
                 continue
+            nodes.append(node)
             yield (node, sig.tobytes())
-            for band, bucket in enumerate(row):
-                yield pvalue.TaggedOutput(BANDS, (struct.pack(_BUCKET, band, bucket), node))
+        keys = keys[counts > 0]
+        for partition, part in bucket_parts(keys, self.partitions):
+            members = [nodes[i] for i in part.members.tolist()]
+            yield pvalue.TaggedOutput(BANDS, (partition, (part.bands, part.buckets, members)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    bands: bytes  # uint16 per triple
+    buckets: bytes  # uint64 per triple
+    members: np.ndarray  # row of each triple in the batch's key matrix
+
+
+def bucket_parts(keys: np.ndarray, partitions: int) -> Iterator[tuple[int, _Part]]:
+    """uint64 [docs, bands] bucket keys -> (partition, its triples) for each partition present."""
+    docs, bands = keys.shape
+    buckets = keys.ravel()
+    band = np.tile(np.arange(bands, dtype=np.uint16), docs)
+    member = np.repeat(np.arange(docs), bands)
+    partition = (buckets % np.uint64(partitions)).astype(np.int64)
+    order = np.argsort(partition, kind="stable")
+    bounds = np.flatnonzero(np.diff(partition[order])) + 1
+    for rows in np.split(order, bounds) if len(order) else []:
+        yield (
+            int(partition[rows[0]]),
+            _Part(band[rows].tobytes(), buckets[rows].tobytes(), member[rows]),
+        )
 
 
 # ---- 2. and 3. candidates and verification -----------------------------------------------------
 
 
-def link_to_head(item: tuple[bytes, Iterable[NodeKey]]) -> Iterator[Any]:
-    """One bucket -> (member, head) for every member but the head: linear in the bucket size."""
-    _, members = item
-    head = min(members)
-    size = 0
-    for member in members:
-        size += 1
-        if member != head:
-            yield (member, head)
-    if size > 1:
+def link_partition(item: tuple[int, Iterable[tuple[bytes, bytes, list[NodeKey]]]]) -> Iterator[Any]:
+    """One bucket partition's parts -> (member, head) for every member of a bucket but its head
+    (the smallest node): linear in the bucket size, so a boilerplate bucket of ``m`` documents
+    costs ``m - 1`` pairs. Tags each bucket of several members with its size (``BUCKET_SIZE``).
+    """
+    _, parts = item
+    bands, buckets, members = [], [], []
+    for band_bytes, bucket_bytes, nodes in parts:
+        bands.append(np.frombuffer(band_bytes, dtype=np.uint16))
+        buckets.append(np.frombuffer(bucket_bytes, dtype=np.uint64))
+        members.extend(tuple(node) for node in nodes)  # coders may hand tuples back as lists
+    if not members:
+        return
+    band = np.concatenate(bands)
+    bucket = np.concatenate(buckets)
+    order = np.lexsort((bucket, band))
+    same = (band[order][1:] == band[order][:-1]) & (bucket[order][1:] == bucket[order][:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~same)))
+    sizes = np.diff(np.append(starts, len(order)))
+    for start, size in zip(starts[sizes > 1].tolist(), sizes[sizes > 1].tolist(), strict=True):
+        bucket_members = [members[i] for i in order[start : start + size].tolist()]
+        head = min(bucket_members)
+        for member in bucket_members:
+            if member != head:
+                yield (member, head)
         yield pvalue.TaggedOutput(BUCKET_SIZE, size)
 
 
@@ -385,26 +448,17 @@ def _max(values: Iterable[int]) -> int:
     return max(values, default=0)
 
 
-def build(docs: beam.PCollection, config: FuzzyDedupConfig) -> StageOutputs:
+def _clusters(
+    pipeline: beam.Pipeline, hashed: Any, config: FuzzyDedupConfig
+) -> tuple[beam.PCollection, beam.PCollection]:
+    """Signatures and band keys (``_Signatures``' outputs) -> (node, (root, cluster size)) for
+    every node in a cluster, and the manifest extras. Steps 2-4 of the module docstring."""
     bands, rows = config.lsh()
-    params = config.minhash
-    pipeline = docs.pipeline
-
-    hashed = (
-        docs
-        | "Batch"
-        >> beam.BatchElements(min_batch_size=config.batch_size, max_batch_size=config.batch_size)
-        | "MinHash"
-        >> beam.ParDo(_Signatures(params, bands, rows)).with_outputs(
-            BANDS, NO_SHINGLES, SIGNATURE_ERRORS, main="sigs"
-        )
-    )
     sigs = hashed["sigs"]
-
     links = (
         hashed[BANDS]
-        | "GroupBuckets" >> beam.GroupByKey()
-        | "LinkToHead" >> beam.FlatMap(link_to_head).with_outputs(BUCKET_SIZE, main="links")
+        | "GroupPartitions" >> beam.GroupByKey()
+        | "LinkToHead" >> beam.FlatMap(link_partition).with_outputs(BUCKET_SIZE, main="links")
     )
     candidates = {"sig": sigs, "heads": links["links"]} | "AtMember" >> beam.CoGroupByKey()
     candidates = candidates | "AttachSignature" >> beam.FlatMap(attach_member_signature)
@@ -420,14 +474,6 @@ def build(docs: beam.PCollection, config: FuzzyDedupConfig) -> StageOutputs:
         | "GroupClusters" >> beam.GroupByKey()
         | "ClusterMembers"
         >> beam.FlatMap(cluster_members).with_outputs("cluster_size", main="members")
-    )
-    resolved = (
-        {
-            "docs": docs | "KeyByNode" >> beam.Map(lambda doc: (node_key(doc), doc)),
-            "cluster": clusters["members"],
-        }
-        | "JoinClusters" >> beam.CoGroupByKey()
-        | "Resolve" >> beam.FlatMap(resolve).with_outputs(DEAD, main="kept")
     )
 
     fp_area, fn_area = lsh_error_areas(config.threshold, bands, rows)
@@ -466,12 +512,148 @@ def build(docs: beam.PCollection, config: FuzzyDedupConfig) -> StageOutputs:
         _extra(clusters["cluster_size"], "largest_cluster", "max"),
         _extra(clusters["cluster_size"], "documents_in_clusters", "sum"),
     ]
-    extra = extras | "FuzzyDedupExtra" >> beam.Flatten()
+    return clusters["members"], extras | "FuzzyDedupExtra" >> beam.Flatten()
+
+
+def bucket_partitions(num_shards: int) -> int:
+    """How many partitions the band buckets are spread over: 16 per output shard (the shard
+    count is what users size to the corpus), so a partition stays a small share of the work."""
+    return 16 * num_shards
+
+
+def build(
+    docs: beam.PCollection,
+    config: FuzzyDedupConfig,
+    partitions: int = bucket_partitions(DEFAULT_SHARDS),
+) -> StageOutputs:
+    """The harness's path (any input): documents are batched, clustered, and joined with their
+    cluster by node key."""
+    bands, rows = config.lsh()
+    hashed = (
+        docs
+        | "Batch"
+        >> beam.BatchElements(min_batch_size=config.batch_size, max_batch_size=config.batch_size)
+        | "MinHash"
+        >> beam.ParDo(_Signatures(config.minhash, bands, rows, partitions)).with_outputs(
+            BANDS, NO_SHINGLES, SIGNATURE_ERRORS, main="sigs"
+        )
+    )
+    members, extra = _clusters(docs.pipeline, hashed, config)
+    resolved = (
+        {
+            "docs": docs | "KeyByNode" >> beam.Map(lambda doc: (node_key(doc), doc)),
+            "cluster": members,
+        }
+        | "JoinClusters" >> beam.CoGroupByKey()
+        | "Resolve" >> beam.FlatMap(resolve).with_outputs(DEAD, main="kept")
+    )
     return StageOutputs(resolved["kept"], resolved[DEAD], extra)
 
 
+# ---- the shard path: id-sharded inputs, no shuffle of documents --------------------------------
+
+
+class SignShard(beam.DoFn):
+    """(shard index, input files) -> ``_Signatures``' outputs for the shard's documents, read
+    in batches; plus the reading letters (``INPUT_DEAD``) and records read (``RECORDS_IN``)."""
+
+    def __init__(self, signer: _Signatures, num_shards: int, batch_size: int) -> None:
+        self.signer = signer
+        self.num_shards = num_shards
+        self.batch_size = batch_size
+
+    def setup(self) -> None:
+        self.signer.setup()
+
+    def process(self, item: tuple[int, list[str]]) -> Iterator[Any]:
+        index, paths = item
+        documents = ShardDocuments(STAGE, index, paths, self.num_shards)
+        stream = iter(documents)
+        while batch := list(itertools.islice(stream, self.batch_size)):
+            yield from documents.take_letters()
+            yield from self.signer.process(batch)
+        yield from documents.take_letters()
+        yield pvalue.TaggedOutput(RECORDS_IN, documents.records)
+
+
+class ResolveShard(beam.DoFn):
+    """(shard index, {"paths": [files], "decisions": [(node, (root, size))]}) -> output shard:
+    the shard is read again and each document resolved as ``resolve`` does (bad records were
+    dead-lettered by ``SignShard``'s reading, so they are skipped here)."""
+
+    def __init__(self, output: str, num_shards: int) -> None:
+        self.output = output
+        self.num_shards = num_shards
+
+    def process(self, item: tuple[int, dict[str, list[Any]]]) -> Iterator[Any]:
+        index, grouped = item
+        (paths,) = grouped["paths"]
+        decisions = {
+            tuple(node): (tuple(root), size) for node, (root, size) in grouped["decisions"]
+        }
+        documents = ShardDocuments(STAGE, index, paths, self.num_shards)
+        writer = ShardFileWriter(self.output, shard_name("data/part", index, self.num_shards))
+        try:
+            for _, run in itertools.groupby(documents, key=lambda doc: doc["id"]):
+                by_node: dict[NodeKey, list[Document]] = {}
+                for doc in run:
+                    by_node.setdefault(node_key(doc), []).append(doc)
+                for node in sorted(by_node):
+                    cluster = [decisions[node]] if node in decisions else []
+                    for out in resolve((node, {"docs": by_node[node], "cluster": cluster})):
+                        if isinstance(out, pvalue.TaggedOutput):
+                            yield out
+                        else:
+                            writer.add_document(out)
+        except BaseException:
+            writer.abort()
+            raise
+        yield writer.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class FuzzyDedup:
+    """The stage's output strategy: the shard path when the inputs are id-sharded stage outputs
+    (``map_stage``: documents never leave their shard; signatures, band keys and decisions are
+    what moves), else the harness's path (``build``). Both write the same bytes."""
+
+    def expand(
+        self,
+        pipeline: beam.Pipeline,
+        stage: str,
+        config: FuzzyDedupConfig,
+        inputs: list[str],
+        output: str,
+        num_shards: int,
+    ) -> Planned:
+        shards = input_shards(pipeline, stage, inputs, num_shards, "documents stay in their shard")
+        if shards is None:
+            partitioned = functools.partial(build, partitions=bucket_partitions(num_shards))
+            return DocumentShards(partitioned).expand(
+                pipeline, stage, config, inputs, output, num_shards
+            )
+        bands, rows = config.lsh()
+        signer = _Signatures(config.minhash, bands, rows, bucket_partitions(num_shards))
+        hashed = shards | "MinHashShards" >> beam.ParDo(
+            SignShard(signer, num_shards, config.batch_size)
+        ).with_outputs(BANDS, NO_SHINGLES, SIGNATURE_ERRORS, INPUT_DEAD, RECORDS_IN, main="sigs")
+        members, extra = _clusters(pipeline, hashed, config)
+        decisions = members | "DecisionShard" >> beam.Map(
+            lambda member: (stable_shard(member[0][1], num_shards), member)
+        )
+        resolved = (
+            {"paths": shards, "decisions": decisions}
+            | "JoinShardDecisions" >> beam.CoGroupByKey()
+            | "ResolveShards"
+            >> beam.ParDo(ResolveShard(output, num_shards)).with_outputs(DEAD, main="shards")
+        )
+        return planned_shards(
+            hashed[RECORDS_IN], [hashed[INPUT_DEAD], resolved[DEAD]], resolved["shards"], extra
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> StageRun:
-    return stage_main(STAGE, __doc__ or STAGE, FuzzyDedupConfig, build, argv)
+    return stage_main(STAGE, __doc__ or STAGE, FuzzyDedupConfig, FuzzyDedup(), argv)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pipelines.beam_io import (
     shard_name,
     stable_shard,
 )
-from pipelines.documents import Document, dumps
+from pipelines.documents import Document
 from pipelines.stage import (
     DocumentShards,
     Planned,
@@ -65,12 +65,101 @@ class MapParts:
     extra: Callable[[beam.PCollection], beam.PCollection] | None = None
 
 
+class ShardDocuments:
+    """The valid documents of input shard ``index`` (its file in every input), merged in id
+    order, each checked against the id-sharding contract.
+
+    Reading and parsing make the same records and letters as the harness's ``ReadRecords``
+    and ``ParseDocuments``: ``records`` counts what was read, ``take_letters`` hands over the
+    letters of bad records (tagged ``INPUT_DEAD``) found so far.
+    """
+
+    def __init__(self, stage: str, index: int, paths: Sequence[str], num_shards: int) -> None:
+        self.stage = stage
+        self.index = index
+        self.paths = paths
+        self.num_shards = num_shards
+        self.records = 0
+        self._letters: list[pvalue.TaggedOutput] = []
+
+    def __iter__(self) -> Iterator[Document]:
+        return heapq.merge(*(self._file(path) for path in self.paths), key=_doc_id)
+
+    def take_letters(self) -> list[pvalue.TaggedOutput]:
+        letters, self._letters = self._letters, []
+        return letters
+
+    def _file(self, path: str) -> Iterator[Document]:
+        previous = ""
+        for record in read_source(InputSource("jsonl", path)):
+            self.records += 1
+            if isinstance(record, pvalue.TaggedOutput):
+                self._letters.append(pvalue.TaggedOutput(INPUT_DEAD, record.value))
+                continue
+            for parsed in parse_record(record, self.stage):
+                if isinstance(parsed, pvalue.TaggedOutput):
+                    self._letters.append(pvalue.TaggedOutput(INPUT_DEAD, parsed.value))
+                    continue
+                doc_id = parsed["id"]
+                # Never misplace or misorder a document silently: the input broke its contract.
+                shard = stable_shard(doc_id, self.num_shards)
+                if shard != self.index:
+                    raise StageError(
+                        f"{self.stage}: {path} is shard {self.index} of {self.num_shards} but"
+                        f" holds document {doc_id!r} of shard {shard}"
+                    )
+                if doc_id < previous:
+                    raise StageError(
+                        f"{self.stage}: {path} is not sorted by id ({doc_id!r} after"
+                        f" {previous!r}); stage outputs always are"
+                    )
+                previous = doc_id
+                yield parsed
+
+
+def input_shards(
+    pipeline: beam.Pipeline, stage: str, inputs: list[str], num_shards: int, note: str
+) -> beam.PCollection | None:
+    """(index, files) per input shard when the inputs are id-sharded stage outputs with
+    ``num_shards`` shards, one per worker on a distributed runner; None when they are not
+    (the stage then takes the harness's path). Logs which path it is."""
+    groups = id_sharded_inputs(inputs, num_shards)
+    if groups is None:
+        log.info("%s: inputs are not id-sharded stage outputs: shuffling by id", stage)
+        return None
+    log.info("%s: inputs already sharded by id: %s", stage, note)
+    return (
+        pipeline
+        | "InputShards" >> beam.Create(sorted(groups.items()))
+        | "SpreadShards" >> beam.Reshuffle()
+    )
+
+
+def planned_shards(
+    records_in: beam.PCollection,
+    dead: Sequence[beam.PCollection],
+    shards: beam.PCollection,
+    extra: beam.PCollection,
+) -> Planned:
+    """What a shard path hands the harness: per-shard record counts, every dead letter, the
+    written shards' ``ShardInfo`` dicts and the manifest extras."""
+    return Planned(
+        records_in=records_in | "RecordsIn" >> beam.CombineGlobally(sum),
+        dead=dead,
+        finish=write_document_manifest,
+        sides={"shards": beam.pvalue.AsList(shards), "extra": beam.pvalue.AsList(extra)},
+    )
+
+
+def _doc_id(doc: Document) -> str:
+    return doc["id"]
+
+
 class MapShard(beam.DoFn):
     """(shard index, input files) -> output shard ``index``: read, map, stream-write.
 
     Yields the shard's ``ShardInfo`` dict, the stage's dead letters (``DEAD``), reading and
-    parsing letters (``INPUT_DEAD``) and the records read (``RECORDS_IN``), the same records
-    and letters as the harness's ``ReadRecords`` and ``ParseDocuments``.
+    parsing letters (``INPUT_DEAD``) and the records read (``RECORDS_IN``).
     """
 
     def __init__(self, inner: beam.DoFn, stage: str, output: str, num_shards: int) -> None:
@@ -88,20 +177,11 @@ class MapShard(beam.DoFn):
     @no_annotations  # Beam would read ``*sides: Any`` as a tuple-typed side input
     def process(self, item: tuple[int, list[str]], *sides: Any) -> Iterator[Any]:
         index, paths = item
-        letters: list[pvalue.TaggedOutput] = []
-        counts = [0]
-        documents = [self._documents(index, path, letters, counts) for path in paths]
+        documents = ShardDocuments(self.stage, index, paths, self.num_shards)
         writer = ShardFileWriter(self.output, shard_name("data/part", index, self.num_shards))
         try:
-            run_id: str | None = None
-            run: list[str] = []  # kept lines of the documents with id ``run_id``
-            for doc in heapq.merge(*documents, key=_doc_id):
-                yield from letters
-                letters.clear()
-                if doc["id"] != run_id:
-                    for line in sorted(run):
-                        writer.write(line)
-                    run_id, run = doc["id"], []
+            for doc in documents:
+                yield from documents.take_letters()
                 for out in self.inner.process(doc, *sides):
                     if isinstance(out, pvalue.TaggedOutput):
                         yield out
@@ -111,49 +191,13 @@ class MapShard(beam.DoFn):
                             f" {out['id']!r})"
                         )
                     else:
-                        run.append(dumps(out))
-            for line in sorted(run):
-                writer.write(line)
-            yield from letters
+                        writer.add_document(out)
+            yield from documents.take_letters()
         except BaseException:
             writer.abort()
             raise
-        yield pvalue.TaggedOutput(RECORDS_IN, counts[0])
+        yield pvalue.TaggedOutput(RECORDS_IN, documents.records)
         yield writer.close()
-
-    def _documents(
-        self, index: int, path: str, letters: list[pvalue.TaggedOutput], counts: list[int]
-    ) -> Iterator[Document]:
-        """One input file's valid documents, in id order; its bad records go to ``letters``."""
-        previous = ""
-        for record in read_source(InputSource("jsonl", path)):
-            counts[0] += 1
-            if isinstance(record, pvalue.TaggedOutput):
-                letters.append(pvalue.TaggedOutput(INPUT_DEAD, record.value))
-                continue
-            for parsed in parse_record(record, self.stage):
-                if isinstance(parsed, pvalue.TaggedOutput):
-                    letters.append(pvalue.TaggedOutput(INPUT_DEAD, parsed.value))
-                    continue
-                doc_id = parsed["id"]
-                # Never misplace or misorder a document silently: the input broke its contract.
-                if stable_shard(doc_id, self.num_shards) != index:
-                    raise StageError(
-                        f"{self.stage}: {path} is shard {index} of {self.num_shards} but holds"
-                        f" document {doc_id!r} of shard"
-                        f" {stable_shard(doc_id, self.num_shards)}"
-                    )
-                if doc_id < previous:
-                    raise StageError(
-                        f"{self.stage}: {path} is not sorted by id ({doc_id!r} after"
-                        f" {previous!r}); stage outputs always are"
-                    )
-                previous = doc_id
-                yield parsed
-
-
-def _doc_id(doc: Document) -> str:
-    return doc["id"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,36 +215,24 @@ class MapDocuments:
         output: str,
         num_shards: int,
     ) -> Planned:
-        groups = id_sharded_inputs(inputs, num_shards)
-        if groups is None:
-            log.info("%s: inputs are not id-sharded stage outputs: shuffling by id", stage)
+        shards = input_shards(
+            pipeline, stage, inputs, num_shards, "one output shard per input shard"
+        )
+        if shards is None:
             return DocumentShards(self.build).expand(
                 pipeline, stage, config, inputs, output, num_shards
             )
-        log.info("%s: inputs already sharded by id: one output shard per input shard", stage)
         parts = self.parts(pipeline, config)
-        mapped = (
-            pipeline
-            | "InputShards" >> beam.Create(sorted(groups.items()))
-            | "SpreadShards" >> beam.Reshuffle()  # one shard per worker on a distributed runner
-            | "MapShards"
-            >> beam.ParDo(
-                MapShard(parts.dofn, stage, output, num_shards), *parts.side_inputs
-            ).with_outputs(DEAD, INPUT_DEAD, RECORDS_IN, main="shards")
-        )
+        mapped = shards | "MapShards" >> beam.ParDo(
+            MapShard(parts.dofn, stage, output, num_shards), *parts.side_inputs
+        ).with_outputs(DEAD, INPUT_DEAD, RECORDS_IN, main="shards")
         extra = (
             parts.extra(mapped[DEAD])
             if parts.extra is not None
             else pipeline | "NoExtra" >> beam.Create([], reshuffle=False)
         )
-        return Planned(
-            records_in=mapped[RECORDS_IN] | "RecordsIn" >> beam.CombineGlobally(sum),
-            dead=[mapped[INPUT_DEAD], mapped[DEAD]],
-            finish=write_document_manifest,
-            sides={
-                "shards": beam.pvalue.AsList(mapped["shards"]),
-                "extra": beam.pvalue.AsList(extra),
-            },
+        return planned_shards(
+            mapped[RECORDS_IN], [mapped[INPUT_DEAD], mapped[DEAD]], mapped["shards"], extra
         )
 
     def build(self, docs: beam.PCollection, config: Any) -> StageOutputs:

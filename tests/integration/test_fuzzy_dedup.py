@@ -25,6 +25,7 @@ from pipelines.fuzzy_dedup import (
 )
 from pipelines.minhash import jaccard, shingle_set
 from pipelines.stage import StageError, config_from_mapping, run_stage
+from tests.support.sharded import write_id_sharded_output
 
 SEED = 20240611
 POSITIVE = 0.85  # pairs above this true Jaccard must end up together (recall)
@@ -252,8 +253,10 @@ def small_input(tmp_path_factory) -> str:
     return write_jsonl(root / "docs.jsonl", docs)
 
 
-def _command_line(source: str, out: Path, config: str, *beam_args: str) -> str:
-    """``python -m pipelines.fuzzy_dedup ...`` in a child process; returns its stdout."""
+def _command_line(
+    source: str, out: Path, config: str, *beam_args: str
+) -> subprocess.CompletedProcess:
+    """``python -m pipelines.fuzzy_dedup ...`` in a child process, which must succeed."""
     result = subprocess.run(
         [
             sys.executable,
@@ -273,7 +276,7 @@ def _command_line(source: str, out: Path, config: str, *beam_args: str) -> str:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result
 
 
 def test_deterministic_in_process_and_multi_processing(small_input, tmp_path, digest):
@@ -281,7 +284,8 @@ def test_deterministic_in_process_and_multi_processing(small_input, tmp_path, di
     # (which runs the stage as __main__: everything it ships to workers must pickle).
     config = FuzzyDedupConfig(max_rounds=2)  # fewer unrolled rounds: a faster, same-code run
     run = run_stage("fuzzy_dedup", fuzzy_dedup.build, config, [small_input], str(tmp_path / "a"))
-    stdout = _command_line(small_input, tmp_path / "mp", '{"max_rounds": 2}', *MULTI_PROCESSING)
+    child = _command_line(small_input, tmp_path / "mp", '{"max_rounds": 2}', *MULTI_PROCESSING)
+    stdout = child.stdout
     manifest = run.manifest
     assert json.loads(stdout)["config"] == dataclasses.asdict(config)
     assert (tmp_path / "mp" / "manifest.json").read_text() == stdout
@@ -290,6 +294,34 @@ def test_deterministic_in_process_and_multi_processing(small_input, tmp_path, di
     assert manifest.extra["documents_without_shingles"] == 1
     assert manifest.extra["cc_converged"] is True
     assert digest(tmp_path / "a") == digest(tmp_path / "mp")
+
+
+def test_the_shard_path_writes_what_the_shuffle_path_writes(small_input, tmp_path, digest):
+    """An id-sharded stage output is read shard by shard (documents never shuffled; here on 2
+    worker processes), the same files as a glob through the harness: the same bytes."""
+    lines = Path(small_input).read_text().splitlines()
+    docs = [json.loads(line) for line in lines if "no-text" not in line]
+    bad = [line + "\n" for line in lines if "no-text" in line]
+    sharded = write_id_sharded_output(tmp_path / "sharded", docs, 3, {2: bad})
+    config = FuzzyDedupConfig(max_rounds=2)
+    files = str(sharded / "data" / "*.jsonl.gz")
+    shuffled = run_stage(
+        "fuzzy_dedup", fuzzy_dedup.build, config, [files], str(tmp_path / "s"), num_shards=3
+    )
+    child = _command_line(
+        str(sharded),
+        tmp_path / "by_shard",
+        '{"max_rounds": 2}',
+        "--num_shards=3",
+        *MULTI_PROCESSING,
+    )
+    assert "documents stay in their shard" in child.stderr
+    by_shard = json.loads(child.stdout)
+    for name in ("records_in", "records_out", "dropped", "extra"):
+        assert by_shard[name] == getattr(shuffled.manifest, name), name
+    assert by_shard["dropped"]["duplicate_id"] == 1 and by_shard["dropped"]["missing_text"] == 1
+    for sub in ("data", "dead_letter"):
+        assert digest(tmp_path / "by_shard" / sub) == digest(tmp_path / "s" / sub), sub
 
 
 # ---- scale shapes: a big bucket, a long chain, a document that breaks hashing ------------------
