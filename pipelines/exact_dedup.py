@@ -23,6 +23,7 @@ choice depends only on ids and content, so the output does not depend on the run
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -31,10 +32,18 @@ import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
-from pipelines.beam_io import DEAD
+from pipelines.beam_io import DEAD, stable_shard
 from pipelines.configs import ExactDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
-from pipelines.stage import StageOutputs, StageRun, stage_main
+from pipelines.map_stage import (
+    INPUT_DEAD,
+    RECORDS_IN,
+    ShardDocuments,
+    input_shards,
+    planned_shards,
+    write_shard,
+)
+from pipelines.stage import DocumentShards, Planned, StageOutputs, StageRun, stage_main
 from pipelines.text import dedup_key_text, line_spans, paragraph_spans
 
 log = logging.getLogger(__name__)
@@ -44,6 +53,7 @@ CHARS = "chars"
 ERRORS = "errors"
 GROUPS = "groups"  # a text hash shared by several documents
 SHARED = "shared"  # a paragraph hash shared by several documents
+FAILED = "failed"  # a document whose text hash failed (the shard path's later passes skip it)
 
 Span = tuple[int, int]
 # A document's place in the choice of canonical copy: its id, then its content, so that even
@@ -257,35 +267,49 @@ def dedup_paragraphs(docs: beam.PCollection, config: ExactDedupConfig) -> tuple[
         | "JoinSpans" >> beam.CoGroupByKey()
         | "Attach" >> beam.FlatMap(attach_spans, config).with_outputs(DEAD, CHARS, main="kept")
     )
-    shared = (
-        spans[SHARED]
-        | "CountShared" >> beam.combiners.Count.Globally()
-        | "SharedExtra" >> beam.Map(lambda n: {"duplicate_paragraphs": n})
+    extras = _paragraph_extras(
+        shared=spans[SHARED],
+        span_keys=spans["spans"] | "SpanDocKeys" >> beam.Keys(),
+        errors=occurrences[ERRORS],
     )
-    chars_key = (
+    extras.append(_chars_extra(config, attached[CHARS]))
+    return attached["kept"], attached[DEAD], extras | "ParagraphExtra" >> beam.Flatten()
+
+
+def _paragraph_extras(
+    *,
+    shared: beam.PCollection,
+    span_keys: beam.PCollection,
+    errors: beam.PCollection,
+) -> list[beam.PCollection]:
+    """Manifest extras of the paragraph level: repeated paragraphs, documents with spans, and
+    documents whose paragraphs could not be scanned."""
+    return [
+        shared
+        | "CountShared" >> beam.combiners.Count.Globally()
+        | "SharedExtra" >> beam.Map(lambda n: {"duplicate_paragraphs": n}),
+        span_keys
+        | "DistinctDocKeys" >> beam.Distinct()
+        | "CountMarkedDocs" >> beam.combiners.Count.Globally()
+        | "MarkedDocsExtra" >> beam.Map(lambda n: {"docs_with_duplicate_spans": n}),
+        errors
+        | "CountScanErrors" >> beam.combiners.Count.Globally()
+        | "ScanErrorsExtra" >> beam.Map(lambda n: {"paragraph_scan_errors": n}),
+    ]
+
+
+def _chars_extra(config: ExactDedupConfig, chars: beam.PCollection) -> beam.PCollection:
+    """Characters of repeated spans, removed or only marked."""
+    key = (
         "duplicate_chars_removed"
         if config.remove_duplicate_paragraphs
-        else ("duplicate_chars_marked")
+        else "duplicate_chars_marked"
     )
-    chars = (
-        attached[CHARS]
+    return (
+        chars
         | "SumChars" >> beam.CombineGlobally(sum)
-        | "CharsExtra" >> beam.Map(lambda n: {chars_key: n})
+        | "CharsExtra" >> beam.Map(lambda n, key=key: {key: n})
     )
-    marked_docs = (
-        spans["spans"]
-        | "SpanDocIds" >> beam.Keys()
-        | "DistinctDocIds" >> beam.Distinct()
-        | "CountMarkedDocs" >> beam.combiners.Count.Globally()
-        | "MarkedDocsExtra" >> beam.Map(lambda n: {"docs_with_duplicate_spans": n})
-    )
-    errors = (
-        occurrences[ERRORS]
-        | "CountScanErrors" >> beam.combiners.Count.Globally()
-        | "ScanErrorsExtra" >> beam.Map(lambda n: {"paragraph_scan_errors": n})
-    )
-    extra = (shared, chars, marked_docs, errors) | "ParagraphExtra" >> beam.Flatten()
-    return attached["kept"], attached[DEAD], extra
 
 
 # --- the stage --------------------------------------------------------------------------------
@@ -315,8 +339,276 @@ def build(docs: beam.PCollection, config: ExactDedupConfig) -> StageOutputs:
     )
 
 
+# --- the shard path: id-sharded inputs, no shuffle of documents -------------------------------
+#
+# Three reads of each input shard, one worker per shard; only keys, decisions and spans move:
+# 1. ``KeyShard``: (text hash, (id, content hash)) per document -> grouped by text hash ->
+#    ``document_decisions``: what happens to each member of a group of several;
+# 2. ``ParagraphShard``: the paragraphs of the documents kept at 1, as one part per paragraph
+#    partition -> ``partition_spans``: each repeated paragraph's spans outside its owner;
+# 3. ``AttachShard``: each document with its decision and spans -> the output shard, streamed.
+
+Decision = tuple[str, bool]  # (canonical id, this member is the canonical one)
+
+
+def paragraph_partitions(num_shards: int) -> int:
+    """Paragraph hashes are spread over 16 partitions per output shard (what users size)."""
+    return 16 * num_shards
+
+
+class KeyShard(beam.DoFn):
+    """(index, files) -> (text hash, (id, content hash)) per document when documents are
+    deduplicated; tagged reading letters (``INPUT_DEAD``), records read (``RECORDS_IN``),
+    processing letters (``DEAD``) and, for each of those, a ``FAILED`` decision so that the
+    later passes skip the document instead of keeping it too."""
+
+    def __init__(self, config: ExactDedupConfig, num_shards: int) -> None:
+        self.config = config
+        self.num_shards = num_shards
+
+    def process(self, item: tuple[int, list[str]]) -> Iterator[Any]:
+        index, paths = item
+        documents = ShardDocuments(STAGE, index, paths, self.num_shards)
+        for doc in documents:
+            yield from documents.take_letters()
+            if not self.config.dedup_documents:
+                continue
+            try:
+                yield (text_hash(doc["text"]), document_rank(doc))
+            except Exception as err:  # one bad record must never take the pipeline down
+                yield _processing_error(doc, err)
+                yield pvalue.TaggedOutput(FAILED, (index, (doc["id"], None, None)))
+        yield from documents.take_letters()
+        yield pvalue.TaggedOutput(RECORDS_IN, documents.records)
+
+
+def document_decisions(item: tuple[str, Iterable[Rank]], num_shards: int) -> Iterator[Any]:
+    """One text hash's ranks -> (shard, (id, content hash, decision)) for every member of a
+    group of several (the smallest rank is canonical, as in ``resolve_duplicates``), and a
+    tagged ``GROUPS`` count."""
+    _, ranks = item
+    members = [tuple(rank) for rank in ranks]
+    if len(members) < 2:
+        return
+    yield pvalue.TaggedOutput(GROUPS, 1)
+    canonical = min(members)
+    for doc_id, content in sorted(set(members)):
+        decision = (canonical[0], (doc_id, content) == canonical)
+        yield (stable_shard(doc_id, num_shards), (doc_id, content, decision))
+
+
+class _DocumentVerdicts:
+    """A shard's document-level decisions, applied in reading order: the first copy of the
+    canonical record is kept, every other member of its group becomes a letter, and a
+    document whose text could not be hashed (already a letter) is skipped."""
+
+    def __init__(self, decisions: Iterable[Any]) -> None:
+        self.by_id: dict[str, dict[str | None, Decision | None]] = {}
+        for doc_id, content, decision in decisions:
+            self.by_id.setdefault(doc_id, {})[content] = (
+                None if decision is None else tuple(decision)
+            )
+        self.kept: set[Rank] = set()
+
+    def verdict(self, doc: Document) -> dict[str, Any] | str:
+        """``KEEP``, ``SKIP``, or the dead letter of a document dropped as a duplicate."""
+        options = self.by_id.get(doc["id"])
+        if options is None:
+            return KEEP
+        if None in options and _hash_fails(doc):
+            return SKIP
+        rank = document_rank(doc)
+        decision = options.get(rank[1])
+        if decision is None:
+            return KEEP
+        canonical, is_canonical = decision
+        if is_canonical and rank not in self.kept:
+            self.kept.add(rank)
+            return KEEP
+        return dead_letter("exact_duplicate", STAGE, doc["id"], doc, duplicate_of=canonical)
+
+
+# Compared with ==, never `is`: run as __main__, the DoFns are pickled with copies of these.
+KEEP, SKIP = "keep", "skip"
+
+
+def _hash_fails(doc: Document) -> bool:
+    try:
+        text_hash(doc["text"])
+        document_rank(doc)
+    except Exception:
+        return True
+    return False
+
+
+class ParagraphShard(beam.DoFn):
+    """(index, {"paths", "decisions"}) -> the kept documents' paragraph occurrences, as one part
+    (``BANDS``-style) per paragraph partition; tagged ``ERRORS`` for documents not scanned."""
+
+    def __init__(self, config: ExactDedupConfig, num_shards: int) -> None:
+        self.config = config
+        self.num_shards = num_shards
+        self.partitions = paragraph_partitions(num_shards)
+
+    def process(self, item: tuple[int, dict[str, list[Any]]]) -> Iterator[Any]:
+        index, grouped = item
+        (paths,) = grouped["paths"]
+        verdicts = _DocumentVerdicts(grouped["decisions"])
+        parts: dict[int, list[Any]] = {}
+        for doc in ShardDocuments(STAGE, index, paths, self.num_shards):
+            if verdicts.verdict(doc) != KEEP:
+                continue
+            for out in paragraph_occurrences(doc, self.config):
+                if isinstance(out, pvalue.TaggedOutput):
+                    yield out
+                    continue
+                digest, (key, start, end) = out
+                partition = int(digest[:8], 16) % self.partitions
+                parts.setdefault(partition, []).append((digest, key, start, end))
+        yield from sorted(parts.items())
+
+
+def partition_spans(item: tuple[int, Iterable[list[Any]]], num_shards: int) -> Iterator[Any]:
+    """One paragraph partition -> (shard, (doc key, span)) for every occurrence of a repeated
+    paragraph outside its owner (the smallest document key), as ``repeated_spans`` does for one
+    paragraph; a tagged ``SHARED`` count per repeated paragraph."""
+    _, parts = item
+    by_digest: dict[str, list[tuple[DocKey, int, int]]] = {}
+    for part in parts:
+        for digest, key, start, end in part:
+            by_digest.setdefault(digest, []).append((tuple(key), start, end))
+    for occurrences in by_digest.values():
+        owner = min(key for key, _, _ in occurrences)
+        if all(key == owner for key, _, _ in occurrences):
+            continue
+        yield pvalue.TaggedOutput(SHARED, 1)
+        for key, start, end in occurrences:
+            if key != owner:
+                yield (stable_shard(key[0], num_shards), (key, (start, end)))
+
+
+class AttachShard(beam.DoFn):
+    """(index, {"paths", "decisions", "spans"}) -> the output shard: each document's decision,
+    then its repeated spans marked or removed (``_attach``); letters and ``CHARS`` tagged."""
+
+    def __init__(self, config: ExactDedupConfig, output: str, num_shards: int) -> None:
+        self.config = config
+        self.output = output
+        self.num_shards = num_shards
+
+    def process(self, item: tuple[int, dict[str, list[Any]]]) -> Iterator[Any]:
+        index, grouped = item
+        (paths,) = grouped["paths"]
+        verdicts = _DocumentVerdicts(grouped["decisions"])
+        spans: dict[DocKey, set[Span]] = {}
+        for key, span in grouped["spans"]:
+            spans.setdefault(tuple(key), set()).add(tuple(span))
+        documents = ShardDocuments(STAGE, index, paths, self.num_shards)
+        yield from write_shard(
+            self.output, index, self.num_shards, self._attach(documents, verdicts, spans)
+        )
+
+    def _attach(
+        self,
+        documents: ShardDocuments,
+        verdicts: _DocumentVerdicts,
+        spans: dict[DocKey, set[Span]],
+    ) -> Iterator[Any]:
+        for doc in documents:
+            verdict = verdicts.verdict(doc)
+            if verdict == SKIP:
+                continue
+            if verdict != KEEP:
+                yield pvalue.TaggedOutput(DEAD, verdict)
+                continue
+            mine = sorted(spans.get(document_key(doc), ())) if spans else []
+            try:
+                yield from list(_attach(doc, mine, self.config))
+            except Exception as err:  # one bad record must never take the pipeline down
+                yield _processing_error(doc, err)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactDedup:
+    """The stage's output strategy: the shard path for id-sharded stage outputs, else the
+    harness's path (``build``). Both write the same bytes."""
+
+    def expand(
+        self,
+        pipeline: beam.Pipeline,
+        stage: str,
+        config: ExactDedupConfig,
+        inputs: list[str],
+        output: str,
+        num_shards: int,
+    ) -> Planned:
+        shards = input_shards(pipeline, stage, inputs, num_shards, "documents stay in their shard")
+        if shards is None:
+            return DocumentShards(build).expand(pipeline, stage, config, inputs, output, num_shards)
+        keyed = shards | "KeyShards" >> beam.ParDo(KeyShard(config, num_shards)).with_outputs(
+            DEAD, FAILED, INPUT_DEAD, RECORDS_IN, main="keys"
+        )
+        extras: list[Any] = []
+        decisions = keyed[FAILED]
+        if config.dedup_documents:
+            decided = (
+                keyed["keys"]
+                | "GroupByTextHash" >> beam.GroupByKey()
+                | "Decide"
+                >> beam.FlatMap(document_decisions, num_shards).with_outputs(
+                    GROUPS, main="decisions"
+                )
+            )
+            decisions = (decided["decisions"], keyed[FAILED]) | "AllDecisions" >> beam.Flatten()
+            extras.append(
+                decided[GROUPS]
+                | "CountGroups" >> beam.combiners.Count.Globally()
+                | "GroupsExtra" >> beam.Map(lambda n: {"exact_duplicate_groups": n})
+            )
+        spans = pipeline | "NoSpans" >> beam.Create([], reshuffle=False)
+        if config.dedup_paragraphs:
+            scanned = (
+                {"paths": shards, "decisions": decisions}
+                | "JoinDecisions" >> beam.CoGroupByKey()
+                | "Paragraphs"
+                >> beam.ParDo(ParagraphShard(config, num_shards)).with_outputs(ERRORS, main="parts")
+            )
+            found = (
+                scanned["parts"]
+                | "GroupByPartition" >> beam.GroupByKey()
+                | "RepeatedSpans"
+                >> beam.FlatMap(partition_spans, num_shards).with_outputs(SHARED, main="spans")
+            )
+            spans = found["spans"]
+            extras.extend(
+                _paragraph_extras(
+                    shared=found[SHARED],
+                    span_keys=spans | "SpanDocKeys" >> beam.Map(lambda item: item[1][0]),
+                    errors=scanned[ERRORS],
+                )
+            )
+        attached = (
+            {"paths": shards, "decisions": decisions, "spans": spans}
+            | "JoinShard" >> beam.CoGroupByKey()
+            | "Attach"
+            >> beam.ParDo(AttachShard(config, output, num_shards)).with_outputs(
+                DEAD, CHARS, main="shards"
+            )
+        )
+        if config.dedup_paragraphs:
+            extras.append(_chars_extra(config, attached[CHARS]))
+        if not extras:
+            extras.append(pipeline | "NoExtras" >> beam.Create([], reshuffle=False))
+        return planned_shards(
+            keyed[RECORDS_IN],
+            [keyed[INPUT_DEAD], keyed[DEAD], attached[DEAD]],
+            attached["shards"],
+            extras | "AllExtras" >> beam.Flatten(),
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> StageRun:
-    return stage_main(STAGE, __doc__ or STAGE, ExactDedupConfig, build, argv)
+    return stage_main(STAGE, __doc__ or STAGE, ExactDedupConfig, ExactDedup(), argv)
 
 
 if __name__ == "__main__":

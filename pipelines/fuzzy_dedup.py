@@ -44,7 +44,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
-from pipelines.beam_io import DEAD, ShardFileWriter, shard_name, stable_shard
+from pipelines.beam_io import DEAD, stable_shard
 from pipelines.configs import FuzzyDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
 from pipelines.map_stage import (
@@ -53,6 +53,7 @@ from pipelines.map_stage import (
     ShardDocuments,
     input_shards,
     planned_shards,
+    write_shard,
 )
 from pipelines.minhash import (
     MinHashParams,
@@ -592,23 +593,23 @@ class ResolveShard(beam.DoFn):
             tuple(node): (tuple(root), size) for node, (root, size) in grouped["decisions"]
         }
         documents = ShardDocuments(STAGE, index, paths, self.num_shards)
-        writer = ShardFileWriter(self.output, shard_name("data/part", index, self.num_shards))
-        try:
-            for _, run in itertools.groupby(documents, key=lambda doc: doc["id"]):
-                by_node: dict[NodeKey, list[Document]] = {}
-                for doc in run:
-                    by_node.setdefault(node_key(doc), []).append(doc)
-                for node in sorted(by_node):
-                    cluster = [decisions[node]] if node in decisions else []
-                    for out in resolve((node, {"docs": by_node[node], "cluster": cluster})):
-                        if isinstance(out, pvalue.TaggedOutput):
-                            yield out
-                        else:
-                            writer.add_document(out)
-        except BaseException:
-            writer.abort()
-            raise
-        yield writer.close()
+        yield from write_shard(
+            self.output, index, self.num_shards, _resolve_runs(documents, decisions)
+        )
+
+
+def _resolve_runs(
+    documents: Iterable[Document], decisions: dict[NodeKey, tuple[NodeKey, int]]
+) -> Iterator[Any]:
+    """Documents in id order -> ``resolve``'s outputs, node by node (documents of one node
+    key are adjacent: a node key starts with nothing but the id and the length)."""
+    for _, run in itertools.groupby(documents, key=lambda doc: doc["id"]):
+        by_node: dict[NodeKey, list[Document]] = {}
+        for doc in run:
+            by_node.setdefault(node_key(doc), []).append(doc)
+        for node in sorted(by_node):
+            cluster = [decisions[node]] if node in decisions else []
+            yield from resolve((node, {"docs": by_node[node], "cluster": cluster}))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,26 +178,37 @@ class MapShard(beam.DoFn):
     def process(self, item: tuple[int, list[str]], *sides: Any) -> Iterator[Any]:
         index, paths = item
         documents = ShardDocuments(self.stage, index, paths, self.num_shards)
-        writer = ShardFileWriter(self.output, shard_name("data/part", index, self.num_shards))
-        try:
-            for doc in documents:
-                yield from documents.take_letters()
-                for out in self.inner.process(doc, *sides):
-                    if isinstance(out, pvalue.TaggedOutput):
-                        yield out
-                    elif out["id"] != doc["id"]:
-                        raise StageError(
-                            f"{self.stage}: a map stage must keep ids ({doc['id']!r} became"
-                            f" {out['id']!r})"
-                        )
-                    else:
-                        writer.add_document(out)
-            yield from documents.take_letters()
-        except BaseException:
-            writer.abort()
-            raise
+        yield from write_shard(self.output, index, self.num_shards, self._map(documents, sides))
         yield pvalue.TaggedOutput(RECORDS_IN, documents.records)
-        yield writer.close()
+
+    def _map(self, documents: ShardDocuments, sides: Sequence[Any]) -> Iterator[Any]:
+        for doc in documents:
+            yield from documents.take_letters()
+            for out in self.inner.process(doc, *sides):
+                if not isinstance(out, pvalue.TaggedOutput) and out["id"] != doc["id"]:
+                    raise StageError(
+                        f"{self.stage}: a map stage must keep ids ({doc['id']!r} became"
+                        f" {out['id']!r})"
+                    )
+                yield out
+        yield from documents.take_letters()
+
+
+def write_shard(output: str, index: int, num_shards: int, outputs: Iterator[Any]) -> Iterator[Any]:
+    """A shard path's outputs -> documents streamed into output shard ``index`` (they come in
+    id order), tagged outputs passed on, then the shard's ``ShardInfo`` dict. A failure leaves
+    no shard behind."""
+    writer = ShardFileWriter(output, shard_name("data/part", index, num_shards))
+    try:
+        for out in outputs:
+            if isinstance(out, pvalue.TaggedOutput):
+                yield out
+            else:
+                writer.add_document(out)
+    except BaseException:
+        writer.abort()
+        raise
+    yield writer.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pipelines import exact_dedup
 from pipelines.beam_io import read_dead_letters, read_documents
 from pipelines.exact_dedup import ExactDedupConfig
 from pipelines.stage import StageError, config_from_mapping, run_stage
+from tests.support.sharded import write_id_sharded_output
 
 P1 = (
     "The committee met on Tuesday to review the budget for the coming year, and after a long"
@@ -150,6 +151,49 @@ def test_multi_processing_run_is_byte_identical(marked, inputs, tmp_path, digest
         ]
     )
     assert digest(out) == digest(again)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"remove_duplicate_paragraphs": True},
+        {"paragraph_unit": "line", "min_paragraph_words": 1},
+        {"dedup_documents": False},
+        {"dedup_paragraphs": False},
+    ],
+)
+def test_the_shard_path_writes_what_the_shuffle_path_writes(config, tmp_path, digest, caplog):
+    """An id-sharded stage output is read shard by shard (documents never shuffled; decisions
+    and spans joined per shard), the same files as a glob through the harness: same bytes."""
+    docs = [
+        *DOCS,
+        _doc("a", P1),  # an exact copy of a record: one is kept
+        _doc("a", P1 + " Again."),  # another record with the same id
+        _doc("g", f"G is new.\n\n{P3}\n\n{P2}"),
+    ]
+    sharded = write_id_sharded_output(tmp_path / "in", docs, 3, {1: ["{broken\n"]})
+    argv = ["--input", str(sharded), "--num_shards", "3", "--config", json.dumps(config)]
+    caplog.set_level("INFO", logger="pipelines.map_stage")
+    by_shard = exact_dedup.main([*argv, "--output", str(tmp_path / "by_shard")]).manifest
+    assert "documents stay in their shard" in caplog.text
+    files = str(sharded / "data" / "*.jsonl.gz")
+    shuffled = run_stage(
+        "exact_dedup",
+        exact_dedup.build,
+        config_from_mapping(ExactDedupConfig, config),
+        [files],
+        str(tmp_path / "shuffled"),
+        num_shards=3,
+    ).manifest
+    for name in ("records_in", "records_out", "dropped", "extra"):
+        assert getattr(by_shard, name) == getattr(shuffled, name), name
+    for sub in ("data", "dead_letter"):
+        assert digest(tmp_path / "by_shard" / sub) == digest(tmp_path / "shuffled" / sub), sub
+    if config.get("dedup_documents", True):
+        assert by_shard.dropped["exact_duplicate"] >= 3
+    if config.get("dedup_paragraphs", True):
+        assert by_shard.extra["duplicate_paragraphs"] >= 2
 
 
 @pytest.mark.parametrize(
