@@ -270,7 +270,7 @@ class ShardFileWriter:
         storage.makedirs(os.path.dirname(path) if "://" not in path else path.rsplit("/", 1)[0])
         self._file = storage.atomic_writer(path)
         handle = self._file.__enter__()
-        self._gzip = storage.GzipStream(handle.write)
+        self._gzip = storage.GzipStream(handle.write, threaded=True)
         self.records = 0
         self._run_id: str | None = None
         self._run: list[str] = []
@@ -310,6 +310,7 @@ class ShardFileWriter:
 
     def abort(self) -> None:
         """Drop the unfinished shard (its temporary file) after a failure."""
+        self._gzip.abandon()
         self._file.__exit__(RuntimeError, RuntimeError("shard abandoned"), None)
 
 

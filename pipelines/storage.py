@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import posixpath
+import queue
 import struct
+import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -139,16 +141,35 @@ class GzipStream:
 
     ``sink`` receives the compressed bytes as they come (a file's ``write``, a list's
     ``append``); the SHA-256 and size of what it received are kept for the shard's manifest.
+    Writes are gathered into chunks of ``chunk_bytes``; with ``threaded`` a second thread
+    compresses and sinks them (zlib and file writes release the GIL, so compression overlaps
+    the caller's work; a bounded queue keeps at most a few chunks in flight).
     """
 
-    def __init__(self, sink: Callable[[bytes], object]) -> None:
+    def __init__(
+        self,
+        sink: Callable[[bytes], object],
+        *,
+        threaded: bool = False,
+        chunk_bytes: int = 1 << 18,
+    ) -> None:
         self._sink = sink
         self._deflate = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS, 8, 0)
         self._crc = 0
         self._size = 0
         self.sha256 = hashlib.sha256()
         self.compressed_bytes = 0
+        self._chunk_bytes = chunk_bytes
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[bytes | None] | None = None
+        self._thread: threading.Thread | None = None
         self._emit(_GZIP_HEADER)
+        if threaded:
+            self._queue = queue.Queue(maxsize=4)
+            self._thread = threading.Thread(target=self._drain, name="gzip-stream", daemon=True)
+            self._thread.start()
 
     def _emit(self, data: bytes) -> None:
         if data:
@@ -156,14 +177,54 @@ class GzipStream:
             self.compressed_bytes += len(data)
             self._sink(data)
 
+    def _compress(self, chunk: bytes) -> None:
+        self._crc = zlib.crc32(chunk, self._crc)
+        self._size += len(chunk)
+        self._emit(self._deflate.compress(chunk))
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while (chunk := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._compress(chunk)
+                except BaseException as err:  # handed to the writer's thread at finish
+                    self._error = err
+
+    def _submit(self) -> None:
+        if not self._pending:
+            return
+        chunk = b"".join(self._pending)
+        self._pending, self._pending_bytes = [], 0
+        if self._queue is None:
+            self._compress(chunk)
+        else:
+            self._queue.put(chunk)
+
     def write(self, data: bytes) -> None:
-        self._crc = zlib.crc32(data, self._crc)
-        self._size += len(data)
-        self._emit(self._deflate.compress(data))
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._pending_bytes >= self._chunk_bytes:
+            self._submit()
+
+    def _stop(self) -> None:
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     def finish(self) -> None:
+        self._submit()
+        self._stop()
+        if self._error is not None:
+            raise self._error
         self._emit(self._deflate.flush())
         self._emit(struct.pack("<II", self._crc, self._size & 0xFFFFFFFF))
+
+    def abandon(self) -> None:
+        """Stop without finishing (after a failure): the compressing thread ends."""
+        self._pending = []
+        self._stop()
 
 
 def gzip_bytes(data: bytes) -> bytes:

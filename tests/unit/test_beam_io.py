@@ -68,9 +68,9 @@ def test_gzip_stream_writes_gzip_files_bytes_whatever_the_pieces():
     reference = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=reference, mtime=0, compresslevel=6) as gz:
         gz.write(payload)
-    for _ in range(3):
+    for threaded, chunk_bytes in [(False, 1), (False, 1 << 18), (True, 1000), (True, 1 << 18)]:
         pieces: list[bytes] = []
-        stream = storage.GzipStream(pieces.append)
+        stream = storage.GzipStream(pieces.append, threaded=threaded, chunk_bytes=chunk_bytes)
         at = 0
         while at < len(payload):
             step = rng.choice([1, 7, 100, 4096, 70_000])
