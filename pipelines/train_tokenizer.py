@@ -61,12 +61,14 @@ from pipelines.artifact_stage import (
 from pipelines.beam_io import stable_shard
 from pipelines.configs import TrainTokenizerConfig
 from pipelines.documents import Document
+from pipelines.map_stage import INPUT_DEAD, RECORDS_IN, ShardDocuments, input_shards
 from pipelines.stage import StageError, StageRun
 
 log = logging.getLogger(__name__)
 
 STAGE = "train_tokenizer"
 KIND = "tokenizer"
+DOCS = "docs"  # valid documents of a shard: what the sampler decides on (records_out)
 HASH_SPACE = 1 << 64
 # Candidates are (hash, id, characters); the budget accumulator is re-trimmed this often.
 COMPACT_EVERY = 1 << 16
@@ -297,9 +299,10 @@ def _candidate(doc: Document, seed: int) -> Candidate:
 def build(
     docs: beam.PCollection, config: TrainTokenizerConfig, target: ArtifactTarget
 ) -> ArtifactOutputs:
+    """The harness's path: the documents are read once and kept for the second pass, which
+    needs the budget cut the first one computes."""
     limit = rate_limit(config.sample_rate)
     seed = config.seed
-    n = target.num_shards
     cut = (
         docs
         | "Candidates" >> beam.Map(_candidate, seed)
@@ -309,13 +312,28 @@ def build(
     decided = docs | "Decide" >> beam.FlatMap(
         decide, limit, seed, pvalue.AsSingleton(cut)
     ).with_outputs(DECISION, main="sampled")
+    records_out = docs | "OneDoc" >> beam.Map(lambda _: 1)
+    return _sample_outputs(decided, records_out, None, config, target)
+
+
+def _sample_outputs(
+    decided: Any,
+    records_out: beam.PCollection,
+    dropped: beam.PCollection | None,
+    config: TrainTokenizerConfig,
+    target: ArtifactTarget,
+) -> ArtifactOutputs:
+    """Decisions and sampled (id, text) -> the sample shards, the decision counts, and the
+    final step that trains on them. ``dropped``: dead letters the stage made itself."""
+    pipeline = records_out.pipeline
+    n = target.num_shards
     counts = (
         decided[DECISION]
         | "CountDecisions" >> beam.combiners.Count.PerElement()
         | "AsPart" >> beam.Map(lambda kv: (DECISION, kv))
     )
     keyed = decided["sampled"] | "SampleShard" >> beam.Map(lambda r: (stable_shard(r[0], n), r))
-    empties = docs.pipeline | "AllSampleShards" >> beam.Create([(i, None) for i in range(n)])
+    empties = pipeline | "AllSampleShards" >> beam.Create([(i, None) for i in range(n)])
     shards = (
         (keyed, empties)
         | "WithEmptySampleShards" >> beam.Flatten()
@@ -323,15 +341,92 @@ def build(
         | "WriteSample" >> beam.Map(write_sample_shard, target.output, n, config.max_line_chars)
     )
     return ArtifactOutputs(
-        records_out=docs | "OneDoc" >> beam.Map(lambda _: 1),
-        dropped=docs.pipeline | "NoDrops" >> beam.Create([]),
+        records_out=records_out,
+        dropped=dropped if dropped is not None else pipeline | "NoDrops" >> beam.Create([]),
         parts=(shards, counts) | "Parts" >> beam.Flatten(),
         finalize=functools.partial(finalize_tokenizer, config=config),
     )
 
 
+# --- the shard path: id-sharded inputs, read twice instead of held -------------------------------
+
+
+class ShardCandidates(beam.DoFn):
+    """(index, files) -> the shard's candidates under the sample rate, its valid documents
+    (``DOCS``) and records read (``RECORDS_IN``), and reading letters (``INPUT_DEAD``)."""
+
+    def __init__(self, config: TrainTokenizerConfig, num_shards: int) -> None:
+        self.limit = rate_limit(config.sample_rate)
+        self.seed = config.seed
+        self.num_shards = num_shards
+
+    def process(self, item: tuple[int, list[str]]) -> Iterator[Any]:
+        index, paths = item
+        documents = ShardDocuments(STAGE, index, paths, self.num_shards)
+        valid = 0
+        for doc in documents:
+            valid += 1
+            yield from documents.take_letters()
+            candidate = _candidate(doc, self.seed)
+            if candidate[0] < self.limit:
+                yield candidate
+        yield from documents.take_letters()
+        yield pvalue.TaggedOutput(DOCS, valid)
+        yield pvalue.TaggedOutput(RECORDS_IN, documents.records)
+
+
+class ShardDecisions(beam.DoFn):
+    """(index, files), the budget cut -> ``decide`` for each document of the shard, read again
+    (its bad records were dead-lettered by ``ShardCandidates``)."""
+
+    def __init__(self, config: TrainTokenizerConfig, num_shards: int) -> None:
+        self.limit = rate_limit(config.sample_rate)
+        self.seed = config.seed
+        self.num_shards = num_shards
+
+    def process(self, item: tuple[int, list[str]], cut: CutKey | None) -> Iterator[Any]:
+        index, paths = item
+        for doc in ShardDocuments(STAGE, index, paths, self.num_shards):
+            yield from decide(doc, self.limit, self.seed, cut)
+
+
+def build_from_shards(
+    pipeline: beam.Pipeline,
+    inputs: list[str],
+    config: TrainTokenizerConfig,
+    target: ArtifactTarget,
+) -> ArtifactOutputs | None:
+    """The shard path, when the inputs are id-sharded stage outputs: the documents are read
+    shard by shard twice (candidates, then decisions) instead of held between the passes, so
+    the stage's memory is the sample (``max_sample_chars``), not the corpus. None otherwise."""
+    shards = input_shards(pipeline, STAGE, inputs, target.num_shards, "read twice, not held")
+    if shards is None:
+        return None
+    n = target.num_shards
+    candidates = shards | "CandidateShards" >> beam.ParDo(ShardCandidates(config, n)).with_outputs(
+        DOCS, RECORDS_IN, INPUT_DEAD, main="candidates"
+    )
+    cut = candidates["candidates"] | "BudgetCut" >> beam.CombineGlobally(
+        BudgetCut(config.max_sample_chars)
+    )
+    decided = shards | "DecideShards" >> beam.ParDo(
+        ShardDecisions(config, n), pvalue.AsSingleton(cut)
+    ).with_outputs(DECISION, main="sampled")
+    outputs = _sample_outputs(decided, candidates[DOCS], candidates[INPUT_DEAD], config, target)
+    outputs.records_in = candidates[RECORDS_IN]
+    return outputs
+
+
 def main(argv: Sequence[str] | None = None) -> StageRun:
-    return artifact_main(STAGE, KIND, __doc__ or STAGE, TrainTokenizerConfig, build, argv)
+    return artifact_main(
+        STAGE,
+        KIND,
+        __doc__ or STAGE,
+        TrainTokenizerConfig,
+        build,
+        argv,
+        read_build=build_from_shards,
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import random
@@ -13,6 +14,7 @@ from pipelines import spm, train_tokenizer
 from pipelines.artifact_stage import run_artifact_stage
 from pipelines.beam_io import read_dead_letters, stable_shard
 from pipelines.train_tokenizer import TrainTokenizerConfig
+from tests.support.sharded import write_id_sharded_output
 
 NUM_SHARDS = 2
 _WORDS_TEXT = (
@@ -140,3 +142,37 @@ def test_cli_refuses_a_vocabulary_too_small(corpus, tmp_path, capsys):
         )
     assert refused.value.code == 2
     assert "vocab_size must be >=" in capsys.readouterr().err
+
+
+def test_the_shard_path_trains_what_the_harness_path_trains(corpus, tmp_path, digest, caplog):
+    """An id-sharded stage output is read twice shard by shard instead of held between the
+    passes; the same files as a glob go through the harness: same sample, same model, same
+    manifest."""
+    _, docs = corpus
+    sharded = write_id_sharded_output(
+        tmp_path / "in", docs, NUM_SHARDS, {1: ["not json\n", _line({"id": "x", "source": "s"})]}
+    )
+    config = dataclasses.replace(BASE, max_sample_chars=20_000)  # the budget cut takes part
+    caplog.set_level("INFO", logger="pipelines.map_stage")
+    by_shard = run_artifact_stage(
+        train_tokenizer.STAGE,
+        train_tokenizer.KIND,
+        train_tokenizer.build,
+        config,
+        [str(sharded)],
+        str(tmp_path / "by_shard"),
+        num_shards=NUM_SHARDS,
+        read_build=train_tokenizer.build_from_shards,
+    ).manifest
+    assert "read twice, not held" in caplog.text
+    harness = _train(sharded / "data", tmp_path / "harness", config)
+    for name in ("records_in", "records_out", "dropped", "shards", "extra"):
+        assert getattr(by_shard, name) == getattr(harness, name), name
+    assert by_shard.extra["sample"]["docs_over_budget"] > 0
+    assert by_shard.dropped == {"invalid_json": 1, "missing_text": 1}
+    for sub in ("sample", "dead_letter"):
+        assert digest(tmp_path / "by_shard" / sub) == digest(tmp_path / "harness" / sub), sub
+    model = "tokenizer.model"
+    assert (tmp_path / "by_shard" / model).read_bytes() == (
+        tmp_path / "harness" / model
+    ).read_bytes()

@@ -253,6 +253,69 @@ def test_accelerator_matmuls_match_plain_autodiff(monkeypatch, kv_heads):
         np.testing.assert_allclose(g, r, atol=2e-5 * float(jnp.max(jnp.abs(r))))
 
 
+@pytest.mark.parametrize("group_bytes", [0, 1, 2 * 2 * 8 * 64 * 4, 1 << 30])
+def test_accelerator_loss_head_gradient_groups_match_the_carry(monkeypatch, group_bytes):
+    """The fused loss as it runs on accelerators (backend faked as a TPU's): the head gradient
+    contracted over stacked dlogits per group of chunks (one chunk per group, two, all eight)
+    or, with 0, carried through the chunk scan; against the CPU path's carry."""
+    import trainer.kernels as kernels
+
+    b, s, d, v = 2, 64, 16, 64
+    x = jax.random.normal(jax.random.key(9), (b, s, d))
+    head = jax.random.normal(jax.random.key(10), (d, v)) * 0.3
+    targets = jax.random.randint(jax.random.key(11), (b, s), 0, v)
+
+    def objective(x, head):
+        return kernels.fused_cross_entropy(x, head, targets, z_loss_coef=1e-2, chunk=8)[0]
+
+    with jax.default_matmul_precision("highest"):
+        ref, ref_grads = jax.value_and_grad(objective, argnums=(0, 1))(x, head)
+        monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+        monkeypatch.setattr(kernels, "LOSS_DHEAD_GROUP_BYTES", group_bytes)
+        obj, grads = jax.value_and_grad(objective, argnums=(0, 1))(x, head)
+    np.testing.assert_allclose(obj, ref, rtol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_splash_attention_matches_blocked_in_interpret_mode(monkeypatch, kv_heads):
+    """The splash wrapper (its tiles, sequence-minor q/k/v, grouped-query heads, packed
+    documents) run by Pallas' interpreter on the CPU, forward and gradients, against the
+    blocked attention. The TPU's speed is docs/benchmarks.md's; this checks the call."""
+    import functools
+
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    import trainer.kernels as kernels
+
+    b, s, h, hd = 2, 256, 4, 64
+    keys = jax.random.split(jax.random.key(12), 4)
+    q = jax.random.normal(keys[0], (b, s, h, hd))
+    k, v = (jax.random.normal(kk, (b, s, kv_heads, hd)) for kk in keys[1:3])
+    ct = jax.random.normal(keys[3], (b, s, h, hd))
+    toks = jax.random.randint(jax.random.key(13), (b, s), 1, 20).at[:, ::37].set(0)
+    seg, _ = segments_and_positions(toks, 0)
+
+    def run(impl):
+        def f(q, k, v):
+            return jnp.sum(kernels.attention(q, k, v, seg, impl) * ct)
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    with jax.default_matmul_precision("highest"):
+        ref = run("blocked")
+        monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+        monkeypatch.setattr(
+            sa, "make_splash_mha", functools.partial(sa.make_splash_mha, interpret=True)
+        )
+        got = run("splash")
+    blk = kernels._splash_block_sizes(sa, s)
+    assert blk.block_q == s and blk.q_layout == sa.QKVLayout.SEQ_MINOR  # 1024 halved to fit
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(r))))
+
+
 @pytest.mark.parametrize("moe", [None, MoEConfig(num_experts=4, top_k=2)])
 def test_scanned_and_unrolled_layers_agree(moe):
     from trainer.model import unroll_layers
