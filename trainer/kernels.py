@@ -350,19 +350,30 @@ def attention(q: Array, k: Array, v: Array, segments: Array, implementation: str
 
 
 # Splash-attention tiles: query and key blocks of the forward and backward kernels (None: the
-# kernel's own default, 128 everywhere, which left the v5e's matrix units mostly idle).
-SPLASH_BLOCK: int | None = 512
+# kernel's own default, 128 everywhere, which left the v5e's matrix units mostly idle). On a
+# v5e, 1024 beat 512 by 2.3 ms of 51 on the 150m step and 5 of 153 on the 300m (head_dim 64;
+# head_dim 128, 1.4b's attention, compiles and runs with it too); split sizes (1024 forward,
+# 512 backward or the reverse) were slower on the 150m step than 1024 for both.
+SPLASH_BLOCK: int | None = 1024
 SPLASH_FUSED_BWD = True  # one backward kernel for dq, dk and dv instead of two
+# q, k and v handed to the kernel sequence-minor, (heads, hd, S). Head-dim-minor, a head_dim of
+# 64 is padded to the TPU tile's 128 lanes, and the arrays around the kernel (rotary's halves,
+# the per-example transposes) were written in that padded layout; sequence-minor, XLA folds
+# the transposes into the projections' matmul fusions. 150m on a v5e: 58.4 instead of 71.2 ms
+# a step in the run that compared them (docs/benchmarks.md, accelerator section).
+SPLASH_SEQ_MINOR = True
 
 
 def _splash_block_sizes(sa, s: int):
-    """``BlockSizes`` of ``SPLASH_BLOCK`` (halved until it divides ``s``; 128 at least)."""
+    """``BlockSizes`` of ``SPLASH_BLOCK`` (halved until it divides ``s``; 128 at least) and
+    ``SPLASH_SEQ_MINOR``'s layouts."""
     if SPLASH_BLOCK is None:
         return None
     blk = min(SPLASH_BLOCK, s)
     while s % blk and blk > 128:
         blk //= 2
     fused = SPLASH_FUSED_BWD
+    layout = sa.QKVLayout.SEQ_MINOR if SPLASH_SEQ_MINOR else sa.QKVLayout.HEAD_DIM_MINOR
     return sa.BlockSizes(
         block_q=blk,
         block_kv=blk,
@@ -373,6 +384,9 @@ def _splash_block_sizes(sa, s: int):
         block_q_dq=None if fused else blk,
         block_kv_dq=None if fused else blk,
         use_fused_bwd_kernel=fused,
+        q_layout=layout,
+        k_layout=layout,
+        v_layout=layout,
     )
 
 
@@ -415,6 +429,9 @@ def splash_attention(q: Array, k: Array, v: Array, segments: Array) -> Array:
 # loss: output projection + softmax cross-entropy, fused and chunked
 
 LOSS_CHUNK_TOKENS = 256  # tokens per device per loss chunk: (256 x V) float32 logits at a time
+# Accelerators: bytes of stacked dlogits (compute dtype) per head-gradient matmul (see
+# ``_xent_chunks``); 1 GiB is the whole 8 x 2048 batch at a 32k vocabulary. 0: the carry.
+LOSS_DHEAD_GROUP_BYTES = 1 << 30
 
 
 def loss_chunk(seq_len: int, rows_per_device: int, vocab_size: int) -> int:
@@ -432,9 +449,11 @@ def loss_chunk(seq_len: int, rows_per_device: int, vocab_size: int) -> int:
 def _xent_chunks(x: Array, head: Array, targets: Array, chunk: int, z_loss_coef: float | None):
     """Scan over sequence chunks. Per chunk: logits (B, c, V) in float32, log-sum-exp, the
     target's logit, and (when ``z_loss_coef`` is not None) d(objective)/d(logits) pushed through
-    the projection right away, so no (B, S, V) tensor ever exists. Returns per-token nll and
-    lse (B, S), and the gradients (dx (B, S, D), dhead (D, V)) of
-    ``mean(nll) + z_loss_coef * mean(lse^2)`` when asked."""
+    the projection right away, so no (B, S, V) float32 tensor ever exists (on accelerators the
+    head gradient contracts groups of chunks' dlogits, in the compute dtype, at most
+    ``LOSS_DHEAD_GROUP_BYTES`` of them at a time). Returns per-token nll and lse (B, S), and the
+    gradients (dx (B, S, D), dhead (D, V)) of ``mean(nll) + z_loss_coef * mean(lse^2)`` when
+    asked."""
     b, s, d = x.shape
     n = b * s
     xs = x.reshape(b, s // chunk, chunk, d).swapaxes(0, 1)  # (S/c, B, c, D)
@@ -469,11 +488,40 @@ def _xent_chunks(x: Array, head: Array, targets: Array, chunk: int, z_loss_coef:
         dlogits = (p * (1.0 + 2.0 * z_loss_coef * lse[..., None]) - hit.astype(f32)) / n
         dlogits = dlogits.astype(xc.dtype)
         dx = jnp.einsum("bcv,vd->bcd", dlogits, w_t, preferred_element_type=f32)
+        if dhead is None:  # accelerators: the caller contracts the stacked dlogits at once
+            return None, (nll, lse, dx.astype(xc.dtype), dlogits)
         dhead = dhead + _weight_grad(xc.reshape(-1, d), dlogits.reshape(-1, dlogits.shape[-1]))
         return dhead, (nll, lse, dx.astype(xc.dtype))
 
-    dhead0 = jnp.zeros(head.shape, f32) if with_grads else None
-    dhead, (nll, lse, dx) = jax.lax.scan(body, dhead0, (xs, ts))
+    if with_grads and jax.default_backend() != "cpu" and LOSS_DHEAD_GROUP_BYTES > 0:
+        # Accelerators: a float32 (D, V) head-gradient carry is read, added to and copied once
+        # per chunk (64 times a step at 8 x 2048), 15 ms of the 300m step on a v5e. Instead
+        # the chunks' dlogits (compute dtype) are stacked, g chunks at a time, and contracted
+        # with their inputs in one matmul per group: the logits stay chunk-sized (small enough
+        # for the chip's on-core memory, which is why bigger chunks were slower), the carry is
+        # touched once per group. 300m 177 -> 156 ms a step on a v5e, 150m 56 -> 53 ms.
+        n_chunks = s // chunk
+        per_chunk = b * chunk * head.shape[1] * jnp.dtype(x.dtype).itemsize
+        g = 1
+        while g * 2 <= LOSS_DHEAD_GROUP_BYTES // per_chunk and n_chunks % (g * 2) == 0:
+            g *= 2
+
+        def group(dhead, xt):
+            xg, tg = xt  # (g, B, c, D), (g, B, c)
+            _, (nll, lse, dx, dl) = jax.lax.scan(body, None, (xg, tg))
+            dhead = dhead + jnp.einsum("gbcd,gbcv->dv", xg, dl, preferred_element_type=f32)
+            return dhead, (nll, lse, dx)
+
+        grouped = (
+            xs.reshape(n_chunks // g, g, *xs.shape[1:]),
+            ts.reshape(n_chunks // g, g, b, chunk),
+        )
+        dhead, (nll, lse, dx) = jax.lax.scan(group, jnp.zeros(head.shape, f32), grouped)
+        nll, lse = nll.reshape(n_chunks, b, chunk), lse.reshape(n_chunks, b, chunk)
+        dx = dx.reshape(n_chunks, b, chunk, d)
+    else:
+        dhead0 = jnp.zeros(head.shape, f32) if with_grads else None
+        dhead, (nll, lse, dx) = jax.lax.scan(body, dhead0, (xs, ts))
     nll, lse = nll.swapaxes(0, 1).reshape(b, s), lse.swapaxes(0, 1).reshape(b, s)
     if with_grads:
         dx = dx.swapaxes(0, 1).reshape(b, s, d)
@@ -519,6 +567,7 @@ def fused_cross_entropy(
     each chunk's gradient is computed in the forward pass (the objective is a fixed mean, so its
     cotangent is a scalar that only scales them). Same matmul FLOPs as autodiff, none of its
     (B, S, V) float32 temporaries, and no scatter for the target gather: 3-4x faster on CPU for
-    an 8k vocabulary, and it bounds the memory of large-vocabulary heads anywhere."""
+    an 8k vocabulary, and it bounds the memory of large-vocabulary heads anywhere (on
+    accelerators by ``LOSS_DHEAD_GROUP_BYTES`` of compute-dtype dlogits, see ``_xent_chunks``)."""
     objective, loss = _fused_xent(x, head, targets, float(z_loss_coef), chunk)
     return objective, jax.lax.stop_gradient(loss)
