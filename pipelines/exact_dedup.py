@@ -35,6 +35,7 @@ from apache_beam import pvalue
 from pipelines.beam_io import DEAD, stable_shard
 from pipelines.configs import ExactDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
+from pipelines.extra_totals import extra_totals
 from pipelines.map_stage import (
     INPUT_DEAD,
     RECORDS_IN,
@@ -119,8 +120,8 @@ def resolve_duplicates(item: tuple[str, Iterable[Document]]) -> Iterator[Any]:
             )
 
 
-def dedup_documents(docs: beam.PCollection) -> tuple[Any, Any, Any]:
-    """Documents -> (kept, dead letters, manifest extra)."""
+def dedup_documents(docs: beam.PCollection) -> tuple[Any, Any, list[Any]]:
+    """Documents -> (kept, dead letters, manifest totals for ``extra_totals``)."""
     keyed = docs | "KeyByTextHash" >> beam.FlatMap(key_by_text_hash).with_outputs(
         DEAD, main="keyed"
     )
@@ -129,13 +130,8 @@ def dedup_documents(docs: beam.PCollection) -> tuple[Any, Any, Any]:
         | "GroupByTextHash" >> beam.GroupByKey()
         | "Resolve" >> beam.FlatMap(resolve_duplicates).with_outputs(DEAD, GROUPS, main="kept")
     )
-    groups = (
-        resolved[GROUPS]
-        | "CountGroups" >> beam.combiners.Count.Globally()
-        | "GroupsExtra" >> beam.Map(lambda n: {"exact_duplicate_groups": n})
-    )
     dropped = (keyed[DEAD], resolved[DEAD]) | "DocumentDropped" >> beam.Flatten()
-    return resolved["kept"], dropped, groups
+    return resolved["kept"], dropped, [("exact_duplicate_groups", "count", resolved[GROUPS])]
 
 
 # --- paragraph level --------------------------------------------------------------------------
@@ -249,8 +245,10 @@ def _attach(doc: Document, spans: list[Span], config: ExactDedupConfig) -> Itera
     yield {**doc, "text": text, "metadata": metadata}
 
 
-def dedup_paragraphs(docs: beam.PCollection, config: ExactDedupConfig) -> tuple[Any, Any, Any]:
-    """Documents -> (kept with spans marked or removed, dead letters, manifest extras)."""
+def dedup_paragraphs(
+    docs: beam.PCollection, config: ExactDedupConfig
+) -> tuple[Any, Any, list[Any]]:
+    """Documents -> (kept with spans marked or removed, dead letters, manifest totals)."""
     occurrences = docs | "Paragraphs" >> beam.FlatMap(paragraph_occurrences, config).with_outputs(
         ERRORS, main="occurrences"
     )
@@ -267,49 +265,38 @@ def dedup_paragraphs(docs: beam.PCollection, config: ExactDedupConfig) -> tuple[
         | "JoinSpans" >> beam.CoGroupByKey()
         | "Attach" >> beam.FlatMap(attach_spans, config).with_outputs(DEAD, CHARS, main="kept")
     )
-    extras = _paragraph_extras(
+    totals = _paragraph_totals(
+        config,
         shared=spans[SHARED],
         span_keys=spans["spans"] | "SpanDocKeys" >> beam.Keys(),
         errors=occurrences[ERRORS],
+        chars=attached[CHARS],
     )
-    extras.append(_chars_extra(config, attached[CHARS]))
-    return attached["kept"], attached[DEAD], extras | "ParagraphExtra" >> beam.Flatten()
+    return attached["kept"], attached[DEAD], totals
 
 
-def _paragraph_extras(
+def _paragraph_totals(
+    config: ExactDedupConfig,
     *,
     shared: beam.PCollection,
     span_keys: beam.PCollection,
     errors: beam.PCollection,
-) -> list[beam.PCollection]:
-    """Manifest extras of the paragraph level: repeated paragraphs, documents with spans, and
-    documents whose paragraphs could not be scanned."""
-    return [
-        shared
-        | "CountShared" >> beam.combiners.Count.Globally()
-        | "SharedExtra" >> beam.Map(lambda n: {"duplicate_paragraphs": n}),
-        span_keys
-        | "DistinctDocKeys" >> beam.Distinct()
-        | "CountMarkedDocs" >> beam.combiners.Count.Globally()
-        | "MarkedDocsExtra" >> beam.Map(lambda n: {"docs_with_duplicate_spans": n}),
-        errors
-        | "CountScanErrors" >> beam.combiners.Count.Globally()
-        | "ScanErrorsExtra" >> beam.Map(lambda n: {"paragraph_scan_errors": n}),
-    ]
-
-
-def _chars_extra(config: ExactDedupConfig, chars: beam.PCollection) -> beam.PCollection:
-    """Characters of repeated spans, removed or only marked."""
-    key = (
+    chars: beam.PCollection,
+) -> list[Any]:
+    """Manifest totals of the paragraph level (for ``extra_totals``): repeated paragraphs,
+    documents with spans, documents whose paragraphs could not be scanned, and the characters
+    of the spans, removed or only marked."""
+    chars_name = (
         "duplicate_chars_removed"
         if config.remove_duplicate_paragraphs
         else "duplicate_chars_marked"
     )
-    return (
-        chars
-        | "SumChars" >> beam.CombineGlobally(sum)
-        | "CharsExtra" >> beam.Map(lambda n, key=key: {key: n})
-    )
+    return [
+        ("duplicate_paragraphs", "count", shared),
+        ("docs_with_duplicate_spans", "count", span_keys | "DistinctDocKeys" >> beam.Distinct()),
+        ("paragraph_scan_errors", "count", errors),
+        (chars_name, "sum", chars),
+    ]
 
 
 # --- the stage --------------------------------------------------------------------------------
@@ -318,25 +305,26 @@ def _chars_extra(config: ExactDedupConfig, chars: beam.PCollection) -> beam.PCol
 def build(docs: beam.PCollection, config: ExactDedupConfig) -> StageOutputs:
     kept = docs
     dropped: list[Any] = []
-    extras: list[Any] = []
+    totals: list[Any] = []
     if config.dedup_documents:
-        kept, doc_dropped, doc_extra = dedup_documents(kept)
+        kept, doc_dropped, doc_totals = dedup_documents(kept)
         dropped.append(doc_dropped)
-        extras.append(doc_extra)
+        totals.extend(doc_totals)
     if config.dedup_paragraphs:
-        kept, paragraph_dropped, paragraph_extra = dedup_paragraphs(kept, config)
+        kept, paragraph_dropped, paragraph_totals = dedup_paragraphs(kept, config)
         dropped.append(paragraph_dropped)
-        extras.append(paragraph_extra)
+        totals.extend(paragraph_totals)
     pipeline = docs.pipeline
     if not dropped:
         dropped.append(pipeline | "NothingDropped" >> beam.Create([], reshuffle=False))
-    if not extras:
-        extras.append(pipeline | "NoExtras" >> beam.Create([], reshuffle=False))
-    return StageOutputs(
-        kept,
-        dropped | "AllDropped" >> beam.Flatten(),
-        extras | "AllExtras" >> beam.Flatten(),
-    )
+    return StageOutputs(kept, dropped | "AllDropped" >> beam.Flatten(), _extra(pipeline, totals))
+
+
+def _extra(pipeline: beam.Pipeline, totals: list[Any]) -> beam.PCollection:
+    """The manifest's extra: the levels' totals in one combine (none when both are off)."""
+    if not totals:
+        return pipeline | "NoExtras" >> beam.Create([], reshuffle=False)
+    return extra_totals(pipeline, "Extra", totals)
 
 
 # --- the shard path: id-sharded inputs, no shuffle of documents -------------------------------
@@ -548,7 +536,7 @@ class ExactDedup:
         keyed = shards | "KeyShards" >> beam.ParDo(KeyShard(config, num_shards)).with_outputs(
             DEAD, FAILED, INPUT_DEAD, RECORDS_IN, main="keys"
         )
-        extras: list[Any] = []
+        totals: list[Any] = []
         decisions = keyed[FAILED]
         if config.dedup_documents:
             decided = (
@@ -560,11 +548,7 @@ class ExactDedup:
                 )
             )
             decisions = (decided["decisions"], keyed[FAILED]) | "AllDecisions" >> beam.Flatten()
-            extras.append(
-                decided[GROUPS]
-                | "CountGroups" >> beam.combiners.Count.Globally()
-                | "GroupsExtra" >> beam.Map(lambda n: {"exact_duplicate_groups": n})
-            )
+            totals.append(("exact_duplicate_groups", "count", decided[GROUPS]))
         spans = pipeline | "NoSpans" >> beam.Create([], reshuffle=False)
         if config.dedup_paragraphs:
             scanned = (
@@ -580,13 +564,6 @@ class ExactDedup:
                 >> beam.FlatMap(partition_spans, num_shards).with_outputs(SHARED, main="spans")
             )
             spans = found["spans"]
-            extras.extend(
-                _paragraph_extras(
-                    shared=found[SHARED],
-                    span_keys=spans | "SpanDocKeys" >> beam.Map(lambda item: item[1][0]),
-                    errors=scanned[ERRORS],
-                )
-            )
         attached = (
             {"paths": shards, "decisions": decisions, "spans": spans}
             | "JoinShard" >> beam.CoGroupByKey()
@@ -596,14 +573,20 @@ class ExactDedup:
             )
         )
         if config.dedup_paragraphs:
-            extras.append(_chars_extra(config, attached[CHARS]))
-        if not extras:
-            extras.append(pipeline | "NoExtras" >> beam.Create([], reshuffle=False))
+            totals.extend(
+                _paragraph_totals(
+                    config,
+                    shared=found[SHARED],
+                    span_keys=spans | "SpanDocKeys" >> beam.Map(lambda item: item[1][0]),
+                    errors=scanned[ERRORS],
+                    chars=attached[CHARS],
+                )
+            )
         return planned_shards(
             keyed[RECORDS_IN],
             [keyed[INPUT_DEAD], keyed[DEAD], attached[DEAD]],
             attached["shards"],
-            extras | "AllExtras" >> beam.Flatten(),
+            _extra(pipeline, totals),
         )
 
 

@@ -47,6 +47,7 @@ from apache_beam import pvalue
 from pipelines.beam_io import DEAD, stable_shard
 from pipelines.configs import FuzzyDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
+from pipelines.extra_totals import extra_totals
 from pipelines.map_stage import (
     INPUT_DEAD,
     RECORDS_IN,
@@ -431,24 +432,6 @@ def resolve(item: tuple[NodeKey, dict[str, Iterable[Any]]]) -> Iterator[Any]:
 # ---- the stage ---------------------------------------------------------------------------------
 
 
-def _extra(pcoll: beam.PCollection, name: str, total: str = "count") -> beam.PCollection:
-    """One manifest ``extra`` entry: the count, sum or max of a PCollection (0 if empty)."""
-    combine = {
-        "count": beam.combiners.Count.Globally(),
-        "sum": beam.CombineGlobally(sum),
-        "max": beam.CombineGlobally(_max),
-    }[total]
-    return (
-        pcoll
-        | f"{name}Total" >> combine
-        | f"{name}Extra" >> beam.Map(lambda value, key=name: {key: value})
-    )
-
-
-def _max(values: Iterable[int]) -> int:
-    return max(values, default=0)
-
-
 def _clusters(
     pipeline: beam.Pipeline, hashed: Any, config: FuzzyDedupConfig
 ) -> tuple[beam.PCollection, beam.PCollection]:
@@ -500,19 +483,22 @@ def _clusters(
         | "Convergence"
         >> beam.Map(convergence_summary, config.max_rounds, config.fail_on_nonconvergence)
     )
-    extras = [
-        pipeline | "Parameters" >> beam.Create([parameters]),
-        round_counts,
-        _extra(hashed[NO_SHINGLES], "documents_without_shingles"),
-        _extra(hashed[SIGNATURE_ERRORS], "signature_errors"),
-        _extra(links[BUCKET_SIZE], "multi_document_buckets"),
-        _extra(links[BUCKET_SIZE], "largest_bucket", "max"),
-        _extra(candidates, "candidate_pairs"),
-        _extra(edges, "verified_edges"),
-        _extra(clusters["cluster_size"], "clusters"),
-        _extra(clusters["cluster_size"], "largest_cluster", "max"),
-        _extra(clusters["cluster_size"], "documents_in_clusters", "sum"),
-    ]
+    totals = extra_totals(
+        pipeline,
+        "Extra",
+        [
+            ("documents_without_shingles", "count", hashed[NO_SHINGLES]),
+            ("signature_errors", "count", hashed[SIGNATURE_ERRORS]),
+            ("multi_document_buckets", "count", links[BUCKET_SIZE]),
+            ("largest_bucket", "max", links[BUCKET_SIZE]),
+            ("candidate_pairs", "count", candidates),
+            ("verified_edges", "count", edges),
+            ("clusters", "count", clusters["cluster_size"]),
+            ("largest_cluster", "max", clusters["cluster_size"]),
+            ("documents_in_clusters", "sum", clusters["cluster_size"]),
+        ],
+    )
+    extras = [pipeline | "Parameters" >> beam.Create([parameters]), round_counts, totals]
     return clusters["members"], extras | "FuzzyDedupExtra" >> beam.Flatten()
 
 
