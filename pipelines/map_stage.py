@@ -12,6 +12,11 @@ large the corpus; only dead letters travel through the runner.
 Other inputs (files, globs, another shard count) take the harness's path, ``DocumentShards``:
 read, the same ``DoFn`` as a ``ParDo``, a shuffle into shards. Both paths write byte-identical
 shards, dead letters and manifests.
+
+The pieces of a shard path are shared with the stages that need more than one pass over a
+shard (exact and fuzzy dedup, train_tokenizer): ``input_shards`` (the shards, or None for the
+harness's path), ``ShardDocuments`` (a shard's documents, merged and checked),
+``write_shard`` (an output shard, streamed) and ``planned_shards`` (what the harness needs).
 """
 
 from __future__ import annotations
