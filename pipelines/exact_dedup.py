@@ -114,10 +114,11 @@ def resolve_duplicates(item: tuple[str, Iterable[Document]]) -> Iterator[Any]:
             kept = True
             yield doc
         else:
-            yield pvalue.TaggedOutput(
-                DEAD,
-                dead_letter("exact_duplicate", STAGE, doc["id"], doc, duplicate_of=canonical[0]),
-            )
+            yield pvalue.TaggedOutput(DEAD, _duplicate_letter(doc, canonical[0]))
+
+
+def _duplicate_letter(doc: Document, canonical_id: str) -> dict[str, Any]:
+    return dead_letter("exact_duplicate", STAGE, doc["id"], doc, duplicate_of=canonical_id)
 
 
 def dedup_documents(docs: beam.PCollection) -> tuple[Any, Any, list[Any]]:
@@ -413,7 +414,7 @@ class _DocumentVerdicts:
         if is_canonical and rank not in self.kept:
             self.kept.add(rank)
             return KEEP
-        return dead_letter("exact_duplicate", STAGE, doc["id"], doc, duplicate_of=canonical)
+        return _duplicate_letter(doc, canonical)
 
 
 # Compared with ==, never `is`: run as __main__, the DoFns are pickled with copies of these.
@@ -430,8 +431,9 @@ def _hash_fails(doc: Document) -> bool:
 
 
 class ParagraphShard(beam.DoFn):
-    """(index, {"paths", "decisions"}) -> the kept documents' paragraph occurrences, as one part
-    (``BANDS``-style) per paragraph partition; tagged ``ERRORS`` for documents not scanned."""
+    """(index, {"paths", "decisions"}) -> the kept documents' paragraph occurrences, as one
+    part (a list of (digest, doc key, start, end)) per paragraph partition; tagged ``ERRORS``
+    for documents not scanned."""
 
     def __init__(self, config: ExactDedupConfig, num_shards: int) -> None:
         self.config = config
@@ -464,15 +466,14 @@ def partition_spans(item: tuple[int, Iterable[list[Any]]], num_shards: int) -> I
     by_digest: dict[str, list[tuple[DocKey, int, int]]] = {}
     for part in parts:
         for digest, key, start, end in part:
-            by_digest.setdefault(digest, []).append((tuple(key), start, end))
-    for occurrences in by_digest.values():
-        owner = min(key for key, _, _ in occurrences)
-        if all(key == owner for key, _, _ in occurrences):
-            continue
-        yield pvalue.TaggedOutput(SHARED, 1)
-        for key, start, end in occurrences:
-            if key != owner:
-                yield (stable_shard(key[0], num_shards), (key, (start, end)))
+            by_digest.setdefault(digest, []).append((key, start, end))
+    for digest_occurrences in by_digest.items():
+        for out in repeated_spans(digest_occurrences):
+            if isinstance(out, pvalue.TaggedOutput):
+                yield out
+            else:
+                key, span = out
+                yield (stable_shard(key[0], num_shards), (key, span))
 
 
 class AttachShard(beam.DoFn):
@@ -488,9 +489,9 @@ class AttachShard(beam.DoFn):
         index, grouped = item
         (paths,) = grouped["paths"]
         verdicts = _DocumentVerdicts(grouped["decisions"])
-        spans: dict[DocKey, set[Span]] = {}
+        spans: dict[DocKey, list[Span]] = {}
         for key, span in grouped["spans"]:
-            spans.setdefault(tuple(key), set()).add(tuple(span))
+            spans.setdefault(tuple(key), []).append(span)
         documents = ShardDocuments(STAGE, index, paths, self.num_shards)
         yield from write_shard(
             self.output, index, self.num_shards, self._attach(documents, verdicts, spans)
@@ -500,7 +501,7 @@ class AttachShard(beam.DoFn):
         self,
         documents: ShardDocuments,
         verdicts: _DocumentVerdicts,
-        spans: dict[DocKey, set[Span]],
+        spans: dict[DocKey, list[Span]],
     ) -> Iterator[Any]:
         for doc in documents:
             verdict = verdicts.verdict(doc)
@@ -509,11 +510,8 @@ class AttachShard(beam.DoFn):
             if verdict != KEEP:
                 yield pvalue.TaggedOutput(DEAD, verdict)
                 continue
-            mine = sorted(spans.get(document_key(doc), ())) if spans else []
-            try:
-                yield from list(_attach(doc, mine, self.config))
-            except Exception as err:  # one bad record must never take the pipeline down
-                yield _processing_error(doc, err)
+            mine = spans.get(document_key(doc), []) if spans else []
+            yield from attach_spans((doc["id"], {"docs": [doc], "spans": mine}), self.config)
 
 
 @dataclasses.dataclass(frozen=True)
