@@ -6,11 +6,13 @@
 Documents go to ``num_shards`` token-store shards by a stable hash of their id and are sorted
 by (id, text) inside each shard, so the store does not depend on the runner or on the order
 of the input. Each worker encodes its shard with SentencePiece in batches (one C++ call per
-``batch_docs`` documents, ``encode_threads`` threads, numpy output, EOS appended) and writes
-it with ``tokenstore.write_shard``. A final single-element step writes the store's ledger
+``batch_docs`` documents, ``encode_threads`` threads, numpy output, EOS appended) and appends
+each batch to the shard (``tokenstore.ShardWriter``). A final single-element step writes the store's ledger
 (``tokenstore.finalize``: vocabulary size, EOS id, tokenizer sha256, and this run's counts),
-then the stage manifest. A worker holds one shard's documents and tokens at a time, never the
-corpus: choose ``--num_shards`` so that a shard fits a worker comfortably.
+then the stage manifest. When the inputs are stage outputs sharded like the store (the DAG's
+case), a worker merges them as it reads and holds one batch at a time; otherwise it holds one
+shard's documents (after the shuffle), never the corpus: choose ``--num_shards`` so that a
+shard fits a worker comfortably.
 
 The output directory is the store root: ``shards/``, ``ledger.json``, plus ``dead_letter/``
 and ``manifest.json`` (``pipelines.artifact_stage``). ``records_out`` is the number of
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
+import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict
@@ -130,10 +134,18 @@ class EncodeShard(beam.DoFn):
         self._sp = spm.processor(spm.load_model_bytes(self.info.path, self.info.sha256))
 
     def encode_and_write(self, index: int, rows: Iterable[Row]) -> Iterator[Any]:
+        """Encode rows already in store order, ``batch_docs`` at a time, straight into the shard."""
         assert self._sp is not None
-        tokens, letters = encode_rows(self._sp, sorted(rows), self.threads, self.batch_docs)
         name = token_shard_name(index, self.num_shards)
-        ledger = tokenstore.write_shard(self.output, name, tokens)
+        writer = tokenstore.ShardWriter(self.output, name)
+        letters: list[DeadLetter] = []
+        rows = iter(rows)
+        while batch := list(itertools.islice(rows, self.batch_docs)):
+            tokens, batch_letters = encode_rows(self._sp, batch, self.threads, self.batch_docs)
+            for ids in tokens:
+                writer.add(ids)
+            letters.extend(batch_letters)
+        ledger = writer.close()
         info = tree_info(self.output, f"shards/{name}", ledger.num_docs)
         yield {"ledger": asdict(ledger), "info": asdict(info)}
         for letter in letters:
@@ -141,7 +153,11 @@ class EncodeShard(beam.DoFn):
 
     def process(self, item: tuple[int, Iterable[Row | None]]) -> Iterator[Any]:
         index, rows = item
-        yield from self.encode_and_write(index, (r for r in rows if r is not None))
+        yield from self.encode_and_write(index, sorted(r for r in rows if r is not None))
+
+
+class _Unsorted(Exception):
+    """An input shard not in (id, text) order: the shard cannot be merged as it is read."""
 
 
 class ReadEncodeShard(EncodeShard):
@@ -151,38 +167,62 @@ class ReadEncodeShard(EncodeShard):
     ``k`` of the store is read from shard ``k`` of every input, so no shuffle moves the corpus,
     and the store is byte-identical to what the shuffle path writes. Reading and parsing turn
     bad records into the same dead letters as the harness's ``ReadRecords``/``ParseDocuments``.
+
+    Stage outputs are sorted by id, so the input files are merged as they are read and the
+    shard is encoded and written ``batch_docs`` documents at a time: a worker holds a batch,
+    not the shard. An input out of (id, text) order is read again and sorted in memory.
     """
 
     def process(self, item: tuple[int, list[str]]) -> Iterator[Any]:
         index, paths = item
-        rows: list[Row] = []
-        records_in = 0
-        for path in paths:
-            for record in read_source(InputSource("jsonl", path)):
-                records_in += 1
-                if isinstance(record, pvalue.TaggedOutput):
-                    yield record
+        letters: list[Any] = []
+        counted = [0]
+        try:
+            merged = heapq.merge(
+                *(_in_order(self._rows(index, p, letters, counted), p) for p in paths)
+            )
+            outputs = list(self.encode_and_write(index, merged))
+        except _Unsorted as err:
+            log.info("%s: %s; sorting shard %d in memory", STAGE, err, index)
+            letters, counted = [], [0]
+            rows = sorted(row for p in paths for row in self._rows(index, p, letters, counted))
+            outputs = list(self.encode_and_write(index, rows))
+        outputs[0]["records_in"] = counted[0]
+        yield from letters
+        yield from outputs
+
+    def _rows(self, index: int, path: str, letters: list[Any], counted: list[int]) -> Iterator[Row]:
+        """The rows of one input file; its bad records go to ``letters``."""
+        for record in read_source(InputSource("jsonl", path)):
+            counted[0] += 1
+            if isinstance(record, pvalue.TaggedOutput):
+                letters.append(record)
+                continue
+            for parsed in parse_record(record, STAGE):
+                if isinstance(parsed, pvalue.TaggedOutput):
+                    letters.append(parsed)
                     continue
-                for parsed in parse_record(record, STAGE):
-                    if isinstance(parsed, pvalue.TaggedOutput):
-                        yield parsed
-                        continue
-                    doc: Document = parsed
-                    for keyed in key_by_shard(doc, self.num_shards):
-                        if isinstance(keyed, pvalue.TaggedOutput):
-                            yield keyed
-                        elif keyed[0] != index:
-                            # Never misplace a document silently: the input broke its contract.
-                            raise StageError(
-                                f"{STAGE}: {path} is shard {index} of {self.num_shards} but holds"
-                                f" document {doc['id']!r} of shard {keyed[0]}"
-                            )
-                        else:
-                            rows.append(keyed[1])
-        for out in self.encode_and_write(index, rows):
-            if isinstance(out, dict):
-                out["records_in"] = records_in
-            yield out
+                doc: Document = parsed
+                for keyed in key_by_shard(doc, self.num_shards):
+                    if isinstance(keyed, pvalue.TaggedOutput):
+                        letters.append(keyed)
+                    elif keyed[0] != index:
+                        # Never misplace a document silently: the input broke its contract.
+                        raise StageError(
+                            f"{STAGE}: {path} is shard {index} of {self.num_shards} but holds"
+                            f" document {doc['id']!r} of shard {keyed[0]}"
+                        )
+                    else:
+                        yield keyed[1]
+
+
+def _in_order(rows: Iterator[Row], path: str) -> Iterator[Row]:
+    previous: Row | None = None
+    for row in rows:
+        if previous is not None and row < previous:
+            raise _Unsorted(f"{path} is not in (id, text) order at {row[0]!r}")
+        previous = row
+        yield row
 
 
 def key_by_shard(doc: Document, num_shards: int) -> Iterator[Any]:

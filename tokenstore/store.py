@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
@@ -97,27 +97,83 @@ class Ledger:
         return cls(**body)
 
 
-def write_shard(root: str, name: str, documents: Sequence[Sequence[int]]) -> ShardLedger:
+class _GrowingArray:
+    """A 1-d zarr3 array written front to back in whole chunks, grown (``resize``) as it goes.
+
+    zarr3 stores every chunk whole, so growing the array and writing chunk-aligned blocks
+    leaves the same chunk files and the same ``zarr.json`` as one write of the finished
+    array: the bytes do not depend on how the writer was fed.
+    """
+
+    def __init__(self, path: str, dtype: np.dtype, chunk: int, flush_chunks: int) -> None:
+        self._array = ts.open(_array_spec(path, np.dtype(dtype).name, 0, chunk)).result()
+        self._dtype = dtype
+        self._chunk = chunk
+        self._flush_at = chunk * flush_chunks
+        self._pending: list[np.ndarray] = []
+        self._pending_len = 0
+        self.size = 0  # elements written to the array so far
+
+    def append(self, values: np.ndarray) -> None:
+        self._pending.append(values)
+        self._pending_len += len(values)
+        if self._pending_len >= self._flush_at:
+            self._flush(final=False)
+
+    def close(self) -> int:
+        self._flush(final=True)
+        return self.size
+
+    def _flush(self, final: bool) -> None:
+        if not self._pending_len:
+            return
+        block = np.concatenate(self._pending).astype(self._dtype, copy=False)
+        take = len(block) if final else len(block) - len(block) % self._chunk
+        start, end = self.size, self.size + take
+        self._array = self._array.resize(exclusive_max=[end], expand_only=True).result()
+        self._array[start:end].write(block[:take]).result()
+        self.size = end
+        rest = block[take:]
+        self._pending = [rest] if len(rest) else []
+        self._pending_len = len(rest)
+
+
+class ShardWriter:
+    """Writes one shard a document at a time; holds at most ``flush_chunks`` chunks of tokens.
+
+    The shard is unreadable until ``finalize`` lists it in the ledger, so a half-written shard
+    (a failed worker) is never read; a rerun overwrites it.
+    """
+
+    def __init__(self, root: str, name: str, flush_chunks: int = 16) -> None:
+        base = _join(root, "shards", name)
+        self.name = name
+        self._tokens = _GrowingArray(_join(base, "tokens"), TOKEN_DTYPE, TOKEN_CHUNK, flush_chunks)
+        self._offsets = _GrowingArray(_join(base, "offsets"), np.int64, OFFSET_CHUNK, flush_chunks)
+        self._offsets.append(np.zeros(1, dtype=np.int64))
+        self._num_tokens = 0
+        self._num_docs = 0
+
+    def add(self, document: Sequence[int]) -> None:
+        """Append one tokenized document (its EOS included)."""
+        tokens = np.asarray(document, dtype=TOKEN_DTYPE)
+        self._tokens.append(tokens)
+        self._num_tokens += len(tokens)
+        self._num_docs += 1
+        self._offsets.append(np.array([self._num_tokens], dtype=np.int64))
+
+    def close(self) -> ShardLedger:
+        self._tokens.close()
+        self._offsets.close()
+        return ShardLedger(name=self.name, num_tokens=self._num_tokens, num_docs=self._num_docs)
+
+
+def write_shard(root: str, name: str, documents: Iterable[Sequence[int]]) -> ShardLedger:
     """Write one shard from already-tokenized documents (each including its EOS)."""
-    lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
-    offsets = np.zeros(len(documents) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    tokens = (
-        np.concatenate([np.asarray(d, dtype=TOKEN_DTYPE) for d in documents])
-        if documents
-        else np.zeros(0, dtype=TOKEN_DTYPE)
-    )
-    base = _join(root, "shards", name)
-    token_array = ts.open(
-        _array_spec(_join(base, "tokens"), "uint32", len(tokens), TOKEN_CHUNK)
-    ).result()
-    offset_array = ts.open(
-        _array_spec(_join(base, "offsets"), "int64", len(offsets), OFFSET_CHUNK)
-    ).result()
-    if len(tokens):
-        token_array.write(tokens).result()
-    offset_array.write(offsets).result()
-    return ShardLedger(name=name, num_tokens=len(tokens), num_docs=len(documents))
+    writer = ShardWriter(root, name)
+    for document in documents:
+        writer.add(document)
+    return writer.close()
 
 
 def _write_text(path: str, text: str) -> None:

@@ -212,6 +212,22 @@ def test_id_sharded_inputs_skip_the_shuffle_and_write_the_same_store(
     assert digest(tmp_path / "direct" / "shards") == digest(store_run[0] / "shards")
 
 
+def test_id_sharded_inputs_out_of_order_are_sorted_in_memory(
+    corpus, tokenizer_dir, store_run, tmp_path, digest, caplog
+):
+    """The merge-as-you-read path needs id order; an input without it still gives the store."""
+    _, docs = corpus
+    reversed_shards = write_id_sharded_output(
+        tmp_path / "sharded", docs[::-1], NUM_SHARDS, sort=False
+    )
+    caplog.set_level("INFO", logger="pipelines.tokenize")
+    manifest = _run(reversed_shards, _tokenize_config(tokenizer_dir), tmp_path / "out")
+    assert "one store shard per input shard" in caplog.text
+    assert "is not in (id, text) order" in caplog.text
+    assert manifest.records_out == len(docs)
+    assert digest(tmp_path / "out" / "shards") == digest(store_run[0] / "shards")
+
+
 def test_a_document_in_the_wrong_input_shard_is_an_error(corpus, tokenizer_dir, tmp_path):
     _, docs = corpus
     stray = next(d for d in docs if stable_shard(d["id"], NUM_SHARDS) != 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tensorstore as ts
 
 import tokenstore
 from tokenstore import TokenStore, TokenStoreError
@@ -64,3 +65,31 @@ def test_same_documents_give_identical_bytes(tmp_path):
     assert files_x == files_y
     for rel in files_x:
         assert (tmp_path / "x" / rel).read_bytes() == (tmp_path / "y" / rel).read_bytes()
+
+
+def _files(root) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_shard_written_in_pieces_is_the_shard_written_at_once(tmp_path):
+    """Growing the arrays chunk by chunk leaves the bytes of one write of the whole shard."""
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(1, 100, size=rng.integers(1, 40_000)).astype(np.uint32) for _ in range(30)]
+    at_once = tmp_path / "at_once" / "shards" / "s"
+    for kind, dtype, values in (
+        ("tokens", "uint32", np.concatenate(docs)),
+        ("offsets", "int64", np.concatenate([[0], np.cumsum([len(d) for d in docs])])),
+    ):
+        chunk = tokenstore.store.TOKEN_CHUNK if kind == "tokens" else tokenstore.store.OFFSET_CHUNK
+        spec = tokenstore.store._array_spec(str(at_once / kind), dtype, len(values), chunk)
+        ts.open(spec).result().write(values.astype(dtype)).result()
+
+    writer = tokenstore.ShardWriter(str(tmp_path / "pieces"), "s", flush_chunks=1)
+    for doc in docs:
+        writer.add(doc)
+    ledger = writer.close()
+    assert (ledger.num_docs, ledger.num_tokens) == (30, sum(len(d) for d in docs))
+    assert ledger.num_tokens > 4 * tokenstore.store.TOKEN_CHUNK  # several flushes happened
+    assert _files(tmp_path / "pieces" / "shards" / "s") == _files(at_once)
