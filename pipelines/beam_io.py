@@ -8,6 +8,7 @@ byte-identical files on any runner and in any execution order.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -18,7 +19,7 @@ import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
-from pipelines import storage
+from pipelines import spill, storage
 from pipelines.documents import (
     DeadLetter,
     Document,
@@ -330,6 +331,29 @@ def _write_shard(
     return writer.close()
 
 
+def _shard_entry(
+    record: Any,
+    shard_key: Callable[[Any], str],
+    sort_key: Callable[[Any], Any],
+    num_shards: int,
+) -> tuple[int, tuple[Any, str], int]:
+    """A record's spill entry: its shard, then (sort key, line), the order ``_write_shard``
+    writes."""
+    line = dumps(record)
+    return stable_shard(shard_key(record), num_shards), (sort_key(record), line), len(line)
+
+
+def _write_runs(
+    item: tuple[int, Iterable[str | None]], output_dir: str, prefix: str, num_shards: int
+) -> dict[str, Any]:
+    """A shard from its spilled runs: the bytes ``_write_shard`` writes from the records."""
+    index, paths = item
+    writer = ShardFileWriter(output_dir, shard_name(prefix, index, num_shards))
+    for _, line in spill.merge_runs(p for p in paths if p is not None):
+        writer.write(line)
+    return writer.close()
+
+
 def document_sort_key(doc: Document) -> str:
     """Documents in a shard: by id, then by their JSON line (``_write_shard`` adds it)."""
     return doc["id"]
@@ -358,8 +382,22 @@ class WriteShards(beam.PTransform):
 
     def expand(self, records: beam.PCollection) -> beam.PCollection:
         n = self.num_shards
-        keyed = records | "Key" >> beam.Map(lambda r, k=self.shard_key: (stable_shard(k(r), n), r))
         empties = records.pipeline | "AllShards" >> beam.Create([(i, None) for i in range(n)])
+        if spill.runs_locally(records.pipeline):
+            # The local runner would hold every record: sort in runs on disk instead (spill).
+            entry = functools.partial(
+                _shard_entry, shard_key=self.shard_key, sort_key=self.sort_key, num_shards=n
+            )
+            runs = records | "SpillRuns" >> beam.ParDo(
+                spill.SpillRuns(spill.spill_directory(self.prefix.replace("/", "-")), entry)
+            )
+            return (
+                (runs, empties)
+                | "WithEmpty" >> beam.Flatten()
+                | "GroupShard" >> beam.GroupByKey()
+                | "Write" >> beam.Map(_write_runs, self.output_dir, self.prefix, n)
+            )
+        keyed = records | "Key" >> beam.Map(lambda r, k=self.shard_key: (stable_shard(k(r), n), r))
         return (
             (keyed, empties)
             | "WithEmpty" >> beam.Flatten()

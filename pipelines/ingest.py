@@ -18,6 +18,7 @@ import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
+from pipelines import spill
 from pipelines.beam_io import DEAD
 from pipelines.configs import IngestConfig
 from pipelines.documents import Document, dead_letter, make_document
@@ -97,7 +98,7 @@ def build(records: beam.PCollection, config: IngestConfig) -> StageOutputs:
     )
     resolved = (
         converted["docs"]
-        | "GroupById" >> beam.GroupByKey()
+        | "GroupById" >> spill.GroupByKey("ingest-ids")
         | "ResolveIds" >> beam.FlatMap(resolve_duplicate_ids).with_outputs(DEAD, main="docs")
     )
     dropped = (converted[DEAD], resolved[DEAD]) | "IngestDropped" >> beam.Flatten()

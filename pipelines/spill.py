@@ -1,0 +1,161 @@
+"""Sorted runs on local disk: the local runner's bounded-memory shuffle.
+
+The in-process runner keeps every GroupByKey's values in memory, so a stage that groups the
+corpus (ingest by id; writing shards of documents it did not read as shards; every stage's
+dead letters) would hold the corpus. On a local runner (``runs_locally``) these shuffles spill
+instead, like an external merge sort:
+
+1. ``SpillRuns`` buffers up to ``RUN_BYTES`` of encoded entries per worker, then writes them
+   as sorted *runs*, one file per partition (an output shard, a key range), under a temporary
+   directory, and yields ``(partition, run path)``;
+2. a GroupByKey moves only the run paths;
+3. a partition's consumer merges its runs (``merge_runs``) in sorted order, holding one entry
+   per run, and deletes them.
+
+Distributed runners (Dataflow) have a real shuffle, and their workers share no disk, so there
+the same transforms are a plain GroupByKey. Both give the same groups in the same order, hence
+the same bytes downstream.
+"""
+
+from __future__ import annotations
+
+import atexit
+import heapq
+import itertools
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import apache_beam as beam
+import xxhash
+from apache_beam.transforms.window import GlobalWindows
+
+RUN_BYTES = 64 << 20  # encoded entries a worker buffers before it writes a run
+GROUP_PARTITIONS = 16  # key ranges of ``GroupByKey``: merged in parallel on a multi-worker runner
+# Runners whose workers are this process or its children, so they share this machine's disk.
+_LOCAL_RUNNERS = {"SwitchingDirectRunner", "DirectRunner", "BundleBasedDirectRunner", "FnApiRunner"}
+
+
+def runs_locally(pipeline: beam.Pipeline) -> bool:
+    """True when ``pipeline`` runs on a direct runner (every worker on this machine)."""
+    return type(pipeline.runner).__name__ in _LOCAL_RUNNERS
+
+
+def spill_directory(label: str) -> str:
+    """A fresh directory for one transform's runs, removed when this process exits (the
+    in-process runner's workers are this process; consumers delete runs as they merge them)."""
+    directory = tempfile.mkdtemp(prefix=f"slipway-spill-{label}-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def write_run(path: str, entries: Iterable[Any]) -> None:
+    with open(path, "wb") as handle:
+        pickler = pickle.Pickler(handle, protocol=pickle.HIGHEST_PROTOCOL)
+        for entry in entries:
+            pickler.dump(entry)
+            pickler.clear_memo()  # entries are independent; the memo would only grow
+
+
+def read_run(path: str) -> Iterator[Any]:
+    with open(path, "rb") as handle:
+        unpickler = pickle.Unpickler(handle)
+        while True:
+            try:
+                yield unpickler.load()
+            except EOFError:
+                return
+
+
+def merge_runs(paths: Iterable[str], key: Callable[[Any], Any] | None = None) -> Iterator[Any]:
+    """The entries of sorted runs in sorted order; each run is deleted once read to its end."""
+
+    def consume(path: str) -> Iterator[Any]:
+        yield from read_run(path)
+        os.remove(path)
+
+    return heapq.merge(*(consume(p) for p in paths), key=key)
+
+
+class SpillRuns(beam.DoFn):
+    """Elements -> ``(partition, run path)``: ``entry(element)`` gives ``(partition, entry,
+    size in bytes)``; each run holds one partition's entries sorted by ``sort_key``."""
+
+    def __init__(
+        self,
+        directory: str,
+        entry: Callable[[Any], tuple[int, Any, int]],
+        sort_key: Callable[[Any], Any] | None = None,
+        run_bytes: int | None = None,
+    ) -> None:
+        self.directory = directory
+        self.entry = entry
+        self.sort_key = sort_key
+        self.run_bytes = RUN_BYTES if run_bytes is None else run_bytes
+
+    def start_bundle(self) -> None:
+        self._buffer: dict[int, list[Any]] = {}
+        self._bytes = 0
+
+    def process(self, element: Any) -> Iterator[tuple[int, str]]:
+        partition, entry, size = self.entry(element)
+        self._buffer.setdefault(partition, []).append(entry)
+        self._bytes += size
+        if self._bytes >= self.run_bytes:
+            yield from self._flush()
+
+    def finish_bundle(self) -> Iterator[Any]:
+        for run in self._flush():
+            yield GlobalWindows.windowed_value(run)
+
+    def _flush(self) -> Iterator[tuple[int, str]]:
+        run_id = uuid.uuid4().hex
+        for partition in sorted(self._buffer):
+            path = os.path.join(self.directory, f"{partition:05d}-{run_id}.run")
+            write_run(path, sorted(self._buffer[partition], key=self.sort_key))
+            yield (partition, path)
+        self._buffer = {}
+        self._bytes = 0
+
+
+def _group_entry(item: tuple[str, Any]) -> tuple[int, tuple[str, bytes], int]:
+    key, value = item
+    encoded = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    # A key range, not an output shard: any stable hash will do (beam_io imports this module).
+    partition = xxhash.xxh64_intdigest(key.encode("utf-8")) % GROUP_PARTITIONS
+    return partition, (key, encoded), len(key) + len(encoded)
+
+
+def _entry_key(entry: tuple[str, bytes]) -> str:
+    return entry[0]
+
+
+def _merge_groups(item: tuple[int, Iterable[str]]) -> Iterator[tuple[str, list[Any]]]:
+    _, paths = item
+    merged = merge_runs(paths, key=_entry_key)
+    for key, entries in itertools.groupby(merged, key=_entry_key):
+        yield (key, [pickle.loads(encoded) for _, encoded in entries])
+
+
+class GroupByKey(beam.PTransform):
+    """``beam.GroupByKey`` for ``(str key, value)`` pairs that, on a local runner, holds one
+    run's buffer and one key's values at a time instead of every value (see the module)."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.spill_label = label
+
+    def expand(self, pairs: beam.PCollection) -> beam.PCollection:
+        if not runs_locally(pairs.pipeline):
+            return pairs | "Group" >> beam.GroupByKey()
+        directory = spill_directory(self.spill_label)
+        return (
+            pairs
+            | "SpillRuns" >> beam.ParDo(SpillRuns(directory, _group_entry, _entry_key))
+            | "GroupRuns" >> beam.GroupByKey()
+            | "MergeRuns" >> beam.FlatMap(_merge_groups)
+        )

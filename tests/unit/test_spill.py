@@ -1,0 +1,120 @@
+"""The local runner's spilled shuffles: same groups and same shard bytes as Beam's GroupByKey,
+with bounded buffers (tiny runs here, so every shuffle is many runs), and no runs left."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipelines import beam_io, spill
+
+
+@pytest.fixture()
+def tiny_runs(monkeypatch, tmp_path):
+    """Runs of ~1 KB, spilled under tmp_path (to see what is left behind): (directories, runs)."""
+    monkeypatch.setattr(spill, "RUN_BYTES", 1024)
+    made: list[Path] = []
+
+    def directory(label: str) -> str:
+        made.append(tmp_path / f"spill-{len(made)}")
+        made[-1].mkdir()
+        return str(made[-1])
+
+    monkeypatch.setattr(spill, "spill_directory", directory)
+    write_run = spill.write_run
+
+    def counted(path: str, entries) -> None:
+        runs.append(path)
+        write_run(path, entries)
+
+    runs: list[str] = []
+    monkeypatch.setattr(spill, "write_run", counted)
+    return made, runs
+
+
+def _pairs(n: int) -> list[tuple[str, dict]]:
+    rng = random.Random(3)
+    return [
+        (f"key-{rng.randrange(n // 3):04d}", {"i": i, "pad": "x" * rng.randrange(80)})
+        for i in range(n)
+    ]
+
+
+def test_spilled_group_by_key_gives_beams_groups(tiny_runs):
+    pairs = _pairs(600)
+    expected = defaultdict(list)
+    for key, value in pairs:
+        expected[key].append(value["i"])
+    with beam.Pipeline() as pipeline:
+        assert spill.runs_locally(pipeline)
+        grouped = (
+            pipeline
+            | beam.Create(pairs)
+            | spill.GroupByKey("test")
+            | beam.MapTuple(lambda key, values: (key, sorted(v["i"] for v in values)))
+        )
+        assert_that(grouped, equal_to(sorted(expected.items())))
+    (directory,), runs = tiny_runs
+    assert len(runs) > 20
+    assert not list(directory.iterdir())  # every run was merged, then deleted
+
+
+def test_sorted_runs_merge_in_order(tmp_path):
+    rng = random.Random(5)
+    entries = [(rng.randrange(100), str(i)) for i in range(500)]
+    paths = []
+    for k in range(0, 500, 70):  # 8 runs, each sorted on its own
+        paths.append(str(tmp_path / f"run-{k}"))
+        spill.write_run(paths[-1], sorted(entries[k : k + 70]))
+    assert list(spill.merge_runs(paths)) == sorted(entries)
+    assert not list(tmp_path.iterdir())
+
+
+def _letters(n: int) -> list[dict]:
+    rng = random.Random(7)
+    return [
+        {
+            "origin": f"file-{rng.randrange(4)}.jsonl:{rng.randrange(50)}",
+            "record": {"id": f"doc-{rng.randrange(n // 2)}", "text": "t" * rng.randrange(200)},
+            "reason": rng.choice(["a", "b"]),
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("spilled", [True, False])
+def test_written_shards_are_the_bytes_of_the_records_sorted(
+    spilled, tiny_runs, monkeypatch, tmp_path
+):
+    """Spilled or grouped by Beam, a shard is ``_write_shard`` of the shard's records."""
+    if not spilled:
+        monkeypatch.setattr(spill, "runs_locally", lambda pipeline: False)
+    letters = _letters(400)
+    out = tmp_path / "out"
+    with beam.Pipeline() as pipeline:
+        beam_io.write_dead_letters(pipeline | beam.Create(letters), str(out), 3)
+    by_shard = defaultdict(list)
+    for letter in letters:
+        by_shard[beam_io.stable_shard(letter["origin"], 3)].append(letter)
+    reference = tmp_path / "reference"
+    for index in range(3):
+        beam_io._write_shard(
+            (index, by_shard[index]),
+            str(reference),
+            "dead_letter/part",
+            3,
+            beam_io.dead_letter_sort_key,
+        )
+        name = beam_io.shard_name("dead_letter/part", index, 3)
+        assert (out / name).read_bytes() == (reference / name).read_bytes()
+    directories, runs = tiny_runs
+    if spilled:
+        assert len(runs) > 3 * 10  # ~1 KB runs: the shards were merged from many
+        assert not list(directories[0].iterdir())
+    else:
+        assert not directories and not runs
