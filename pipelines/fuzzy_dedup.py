@@ -101,11 +101,14 @@ def node_key(doc: Document) -> NodeKey:
 
 
 class _Signatures(beam.DoFn):
-    """A batch of documents -> (node, signature bytes), and tagged ``BANDS`` bucket parts.
+    """A batch of documents -> signature blocks, and tagged ``BANDS`` bucket parts.
 
-    The batch's (band, bucket, node) triples are not emitted one by one (23 shuffle records per
-    document) but as one part per bucket partition (``bucket % partitions``): a partition's
-    parts together hold every member of each of its buckets, whichever batch they came from.
+    Neither travels one document at a time: a shuffle record costs more than the 1 KiB
+    signature it carries. The batch's signatures go as one block per node partition
+    (``node_partition``), ``(partition, (nodes, signatures))``; its (band, bucket, node) triples
+    as one part per bucket partition (``bucket % partitions``), instead of 23 records per
+    document. A partition's parts together hold every member of each of its buckets, whichever
+    batch they came from.
     """
 
     def __init__(self, params: MinHashParams, bands: int, rows: int, partitions: int) -> None:
@@ -135,18 +138,53 @@ class _Signatures(beam.DoFn):
         sigs, counts = signatures([doc["text"] for doc in batch], self.hasher)
         keys = band_hashes(sigs, self.bands, self.rows, self.params.seed)
         nodes = []
-        for doc, sig, count in zip(batch, sigs, counts, strict=True):
+        for doc, count in zip(batch, counts, strict=True):
             node = node_key(doc)
             if count == 0:
                 # No words at all: no shingle set to compare, so never anyone's duplicate.
                 yield pvalue.TaggedOutput(NO_SHINGLES, node)
                 continue
             nodes.append(node)
-            yield (node, sig.tobytes())
-        keys = keys[counts > 0]
-        for partition, part in bucket_parts(keys, self.partitions):
+        with_shingles = counts > 0
+        yield from signature_blocks(nodes, sigs[with_shingles], self.partitions)
+        for partition, part in bucket_parts(keys[with_shingles], self.partitions):
             members = [nodes[i] for i in part.members.tolist()]
             yield pvalue.TaggedOutput(BANDS, (partition, (part.bands, part.buckets, members)))
+
+
+def node_partition(node: NodeKey, partitions: int) -> int:
+    """Where a node's signature block goes, and where its candidate pairs meet it."""
+    return stable_shard(node[1], partitions)
+
+
+def signature_blocks(
+    nodes: list[NodeKey], sigs: np.ndarray, partitions: int
+) -> Iterator[tuple[int, tuple[list[NodeKey], bytes]]]:
+    """Nodes and their uint32 [nodes, num_perm] signatures -> one block per node partition."""
+    if not nodes:
+        return
+    partition = np.array([node_partition(node, partitions) for node in nodes])
+    order = np.argsort(partition, kind="stable")
+    bounds = np.flatnonzero(np.diff(partition[order])) + 1
+    for rows in np.split(order, bounds):
+        yield (int(partition[rows[0]]), ([nodes[i] for i in rows.tolist()], sigs[rows].tobytes()))
+
+
+def signatures_of(
+    blocks: Iterable[tuple[list[NodeKey], bytes]], wanted: Iterable[NodeKey]
+) -> dict[NodeKey, bytes]:
+    """The signatures of the ``wanted`` nodes found in a partition's blocks. Two documents with
+    one node key (same id, same length) both have a signature: the smaller bytes win."""
+    wanted = set(wanted)
+    found: dict[NodeKey, bytes] = {}
+    for nodes, sig_bytes in blocks:
+        width = len(sig_bytes) // max(1, len(nodes))
+        for i, node in enumerate(nodes):
+            node = tuple(node)  # coders may hand tuples back as lists
+            if node in wanted:
+                sig = sig_bytes[i * width : (i + 1) * width]
+                found[node] = min(found.get(node, sig), sig)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,35 +241,46 @@ def link_partition(item: tuple[int, Iterable[tuple[bytes, bytes, list[NodeKey]]]
         yield pvalue.TaggedOutput(BUCKET_SIZE, size)
 
 
-def attach_member_signature(item: tuple[NodeKey, dict[str, Iterable[Any]]]) -> Iterator[Any]:
-    """At a member: its distinct heads (a pair recurs once per shared band) -> (head, (member, sig))."""
-    member, grouped = item
-    heads = sorted(set(grouped["heads"]))
-    if not heads:
+def attach_member_signatures(
+    item: tuple[int, dict[str, Iterable[Any]]], partitions: int
+) -> Iterator[Any]:
+    """At a node partition: its signature blocks and its members' (member, head) links ->
+    ``(head's partition, (head, member, member's signature))`` once per distinct pair (a pair
+    recurs once per shared band)."""
+    _, grouped = item
+    heads_of: dict[NodeKey, set[NodeKey]] = {}
+    for member, head in grouped["links"]:
+        heads_of.setdefault(tuple(member), set()).add(tuple(head))
+    if not heads_of:
         return
-    sig = min(grouped["sig"])  # several only if two documents share a node key
-    for head in heads:
-        yield (head, (member, sig))
+    sigs = signatures_of(grouped["sigs"], heads_of)
+    for member in sorted(heads_of):
+        for head in sorted(heads_of[member]):
+            yield (node_partition(head, partitions), (head, member, sigs[member]))
 
 
 def verify_candidates(
-    item: tuple[NodeKey, dict[str, Iterable[Any]]], threshold: float, chunk: int = 4096
+    item: tuple[int, dict[str, Iterable[Any]]], threshold: float, chunk: int = 4096
 ) -> Iterator[Edge]:
-    """At a head: keep the (member, head) edges whose estimated Jaccard reaches the threshold.
-
-    Members are streamed in chunks: the head of a boilerplate bucket may have millions.
-    """
-    head, grouped = item
-    head_sig = None
-    candidates = iter(grouped["candidates"])
-    while block := list(itertools.islice(candidates, chunk)):
-        if head_sig is None:
-            head_sig = np.frombuffer(min(grouped["sig"]), dtype=np.uint32)
-        member_sigs = np.frombuffer(b"".join(sig for _, sig in block), dtype=np.uint32)
-        similarity = estimated_jaccard(member_sigs.reshape(len(block), -1), head_sig)
-        for (member, _), value in zip(block, similarity, strict=True):
-            if value >= threshold:
-                yield (member, head)
+    """At a node partition: keep the (member, head) edges of its heads whose estimated Jaccard
+    reaches the threshold, comparing ``chunk`` members at a time."""
+    _, grouped = item
+    members_of: dict[NodeKey, list[tuple[NodeKey, bytes]]] = {}
+    for head, member, sig in grouped["candidates"]:
+        members_of.setdefault(tuple(head), []).append((tuple(member), sig))
+    if not members_of:
+        return
+    head_sigs = signatures_of(grouped["sigs"], members_of)
+    for head in sorted(members_of):
+        head_sig = np.frombuffer(head_sigs[head], dtype=np.uint32)
+        members = members_of[head]
+        for start in range(0, len(members), chunk):
+            block = members[start : start + chunk]
+            member_sigs = np.frombuffer(b"".join(sig for _, sig in block), dtype=np.uint32)
+            similarity = estimated_jaccard(member_sigs.reshape(len(block), -1), head_sig)
+            for (member, _), value in zip(block, similarity, strict=True):
+                if value >= threshold:
+                    yield (member, head)
 
 
 # ---- 4. connected components: large-star / small-star ------------------------------------------
@@ -433,10 +482,11 @@ def resolve(item: tuple[NodeKey, dict[str, Iterable[Any]]]) -> Iterator[Any]:
 
 
 def _clusters(
-    pipeline: beam.Pipeline, hashed: Any, config: FuzzyDedupConfig
+    pipeline: beam.Pipeline, hashed: Any, config: FuzzyDedupConfig, partitions: int
 ) -> tuple[beam.PCollection, beam.PCollection]:
-    """Signatures and band keys (``_Signatures``' outputs) -> (node, (root, cluster size)) for
-    every node in a cluster, and the manifest extras. Steps 2-4 of the module docstring."""
+    """Signature blocks and band parts (``_Signatures``' outputs) -> (node, (root, cluster
+    size)) for every node in a cluster, and the manifest extras. Steps 2-4 of the module
+    docstring; candidate pairs meet their signatures at the node partitions."""
     bands, rows = config.lsh()
     sigs = hashed["sigs"]
     links = (
@@ -444,10 +494,16 @@ def _clusters(
         | "GroupPartitions" >> beam.GroupByKey()
         | "LinkToHead" >> beam.FlatMap(link_partition).with_outputs(BUCKET_SIZE, main="links")
     )
-    candidates = {"sig": sigs, "heads": links["links"]} | "AtMember" >> beam.CoGroupByKey()
-    candidates = candidates | "AttachSignature" >> beam.FlatMap(attach_member_signature)
+    member_links = links["links"] | "AtMemberPartition" >> beam.Map(
+        lambda link: (node_partition(link[0], partitions), link)
+    )
+    candidates = (
+        {"sigs": sigs, "links": member_links}
+        | "AtMember" >> beam.CoGroupByKey()
+        | "AttachSignature" >> beam.FlatMap(attach_member_signatures, partitions)
+    )
     edges = (
-        {"sig": sigs, "candidates": candidates}
+        {"sigs": sigs, "candidates": candidates}
         | "AtHead" >> beam.CoGroupByKey()
         | "Verify" >> beam.FlatMap(verify_candidates, config.threshold)
     )
@@ -525,7 +581,7 @@ def build(
             BANDS, NO_SHINGLES, SIGNATURE_ERRORS, main="sigs"
         )
     )
-    members, extra = _clusters(docs.pipeline, hashed, config)
+    members, extra = _clusters(docs.pipeline, hashed, config, partitions)
     resolved = (
         {
             "docs": docs | "KeyByNode" >> beam.Map(lambda doc: (node_key(doc), doc)),
@@ -624,7 +680,7 @@ class FuzzyDedup:
         hashed = shards | "MinHashShards" >> beam.ParDo(
             SignShard(signer, num_shards, config.batch_size)
         ).with_outputs(BANDS, NO_SHINGLES, SIGNATURE_ERRORS, INPUT_DEAD, RECORDS_IN, main="sigs")
-        members, extra = _clusters(pipeline, hashed, config)
+        members, extra = _clusters(pipeline, hashed, config, bucket_partitions(num_shards))
         decisions = members | "DecisionShard" >> beam.Map(
             lambda member: (stable_shard(member[0][1], num_shards), member)
         )
