@@ -149,8 +149,8 @@ class ShardWriter:
         base = _join(root, "shards", name)
         self.name = name
         self._tokens = _GrowingArray(_join(base, "tokens"), TOKEN_DTYPE, TOKEN_CHUNK, flush_chunks)
-        self._offsets = _GrowingArray(_join(base, "offsets"), np.int64, OFFSET_CHUNK, flush_chunks)
-        self._offsets.append(np.zeros(1, dtype=np.int64))
+        self._offsets = _GrowingArray(_join(base, "offsets"), np.int64, OFFSET_CHUNK, 1)
+        self._ends: list[int] = [0]  # document end offsets not yet handed to ``_offsets``
         self._num_tokens = 0
         self._num_docs = 0
 
@@ -160,10 +160,17 @@ class ShardWriter:
         self._tokens.append(tokens)
         self._num_tokens += len(tokens)
         self._num_docs += 1
-        self._offsets.append(np.array([self._num_tokens], dtype=np.int64))
+        self._ends.append(self._num_tokens)
+        if len(self._ends) >= OFFSET_CHUNK:
+            self._flush_ends()
+
+    def _flush_ends(self) -> None:
+        self._offsets.append(np.array(self._ends, dtype=np.int64))
+        self._ends = []
 
     def close(self) -> ShardLedger:
         self._tokens.close()
+        self._flush_ends()
         self._offsets.close()
         return ShardLedger(name=self.name, num_tokens=self._num_tokens, num_docs=self._num_docs)
 
