@@ -32,6 +32,7 @@ import apache_beam as beam
 import xxhash
 from apache_beam import pvalue
 
+from pipelines import spill
 from pipelines.beam_io import DEAD, stable_shard
 from pipelines.configs import ExactDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
@@ -128,7 +129,7 @@ def dedup_documents(docs: beam.PCollection) -> tuple[Any, Any, list[Any]]:
     )
     resolved = (
         keyed["keyed"]
-        | "GroupByTextHash" >> beam.GroupByKey()
+        | "GroupByTextHash" >> spill.GroupByKey("exact-groupbytexthash")
         | "Resolve" >> beam.FlatMap(resolve_duplicates).with_outputs(DEAD, GROUPS, main="kept")
     )
     dropped = (keyed[DEAD], resolved[DEAD]) | "DocumentDropped" >> beam.Flatten()
@@ -255,7 +256,7 @@ def dedup_paragraphs(
     )
     spans = (
         occurrences["occurrences"]
-        | "GroupByParagraph" >> beam.GroupByKey()
+        | "GroupByParagraph" >> spill.GroupByKey("exact-groupbyparagraph")
         | "RepeatedSpans" >> beam.FlatMap(repeated_spans).with_outputs(SHARED, main="spans")
     )
     attached = (
@@ -263,7 +264,7 @@ def dedup_paragraphs(
             "docs": docs | "KeyByDoc" >> beam.Map(lambda d: (document_key(d), d)),
             "spans": spans["spans"],
         }
-        | "JoinSpans" >> beam.CoGroupByKey()
+        | "JoinSpans" >> spill.CoGroupByKey("exact-joinspans")
         | "Attach" >> beam.FlatMap(attach_spans, config).with_outputs(DEAD, CHARS, main="kept")
     )
     totals = _paragraph_totals(
@@ -539,7 +540,7 @@ class ExactDedup:
         if config.dedup_documents:
             decided = (
                 keyed["keys"]
-                | "GroupByTextHash" >> beam.GroupByKey()
+                | "GroupByTextHash" >> spill.GroupByKey("exact-groupbytexthash")
                 | "Decide"
                 >> beam.FlatMap(document_decisions, num_shards).with_outputs(
                     GROUPS, main="decisions"
@@ -551,20 +552,20 @@ class ExactDedup:
         if config.dedup_paragraphs:
             scanned = (
                 {"paths": shards, "decisions": decisions}
-                | "JoinDecisions" >> beam.CoGroupByKey()
+                | "JoinDecisions" >> spill.CoGroupByKey("exact-joindecisions")
                 | "Paragraphs"
                 >> beam.ParDo(ParagraphShard(config, num_shards)).with_outputs(ERRORS, main="parts")
             )
             found = (
                 scanned["parts"]
-                | "GroupByPartition" >> beam.GroupByKey()
+                | "GroupByPartition" >> spill.GroupByKey("exact-groupbypartition")
                 | "RepeatedSpans"
                 >> beam.FlatMap(partition_spans, num_shards).with_outputs(SHARED, main="spans")
             )
             spans = found["spans"]
         attached = (
             {"paths": shards, "decisions": decisions, "spans": spans}
-            | "JoinShard" >> beam.CoGroupByKey()
+            | "JoinShard" >> spill.CoGroupByKey("exact-joinshard")
             | "Attach"
             >> beam.ParDo(AttachShard(config, output, num_shards)).with_outputs(
                 DEAD, CHARS, main="shards"

@@ -44,6 +44,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 
+from pipelines import spill
 from pipelines.beam_io import DEAD, stable_shard
 from pipelines.configs import FuzzyDedupConfig
 from pipelines.documents import Document, dead_letter, dumps
@@ -491,7 +492,7 @@ def _clusters(
     sigs = hashed["sigs"]
     links = (
         hashed[BANDS]
-        | "GroupPartitions" >> beam.GroupByKey()
+        | "GroupPartitions" >> spill.GroupByKey("fuzzy-grouppartitions")
         | "LinkToHead" >> beam.FlatMap(link_partition).with_outputs(BUCKET_SIZE, main="links")
     )
     member_links = links["links"] | "AtMemberPartition" >> beam.Map(
@@ -499,12 +500,12 @@ def _clusters(
     )
     candidates = (
         {"sigs": sigs, "links": member_links}
-        | "AtMember" >> beam.CoGroupByKey()
+        | "AtMember" >> spill.CoGroupByKey("fuzzy-atmember")
         | "AttachSignature" >> beam.FlatMap(attach_member_signatures, partitions)
     )
     edges = (
         {"sigs": sigs, "candidates": candidates}
-        | "AtHead" >> beam.CoGroupByKey()
+        | "AtHead" >> spill.CoGroupByKey("fuzzy-athead")
         | "Verify" >> beam.FlatMap(verify_candidates, config.threshold)
     )
 
@@ -587,7 +588,7 @@ def build(
             "docs": docs | "KeyByNode" >> beam.Map(lambda doc: (node_key(doc), doc)),
             "cluster": members,
         }
-        | "JoinClusters" >> beam.CoGroupByKey()
+        | "JoinClusters" >> spill.CoGroupByKey("fuzzy-joinclusters")
         | "Resolve" >> beam.FlatMap(resolve).with_outputs(DEAD, main="kept")
     )
     return StageOutputs(resolved["kept"], resolved[DEAD], extra)
@@ -686,7 +687,7 @@ class FuzzyDedup:
         )
         resolved = (
             {"paths": shards, "decisions": decisions}
-            | "JoinShardDecisions" >> beam.CoGroupByKey()
+            | "JoinShardDecisions" >> spill.CoGroupByKey("fuzzy-joinsharddecisions")
             | "ResolveShards"
             >> beam.ParDo(ResolveShard(output, num_shards)).with_outputs(DEAD, main="shards")
         )

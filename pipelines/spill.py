@@ -122,19 +122,20 @@ class SpillRuns(beam.DoFn):
         self._bytes = 0
 
 
-def _group_entry(item: tuple[str, Any]) -> tuple[int, tuple[str, bytes], int]:
+def _group_entry(item: tuple[Any, Any]) -> tuple[int, tuple[Any, bytes], int]:
     key, value = item
+    encoded_key = pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)
     encoded = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     # A key range, not an output shard: any stable hash will do (beam_io imports this module).
-    partition = xxhash.xxh64_intdigest(key.encode("utf-8")) % GROUP_PARTITIONS
-    return partition, (key, encoded), len(key) + len(encoded)
+    partition = xxhash.xxh64_intdigest(encoded_key) % GROUP_PARTITIONS
+    return partition, (key, encoded), len(encoded_key) + len(encoded)
 
 
-def _entry_key(entry: tuple[str, bytes]) -> str:
+def _entry_key(entry: tuple[Any, bytes]) -> Any:
     return entry[0]
 
 
-def _merge_groups(item: tuple[int, Iterable[str]]) -> Iterator[tuple[str, list[Any]]]:
+def _merge_groups(item: tuple[int, Iterable[str]]) -> Iterator[tuple[Any, list[Any]]]:
     _, paths = item
     merged = merge_runs(paths, key=_entry_key)
     for key, entries in itertools.groupby(merged, key=_entry_key):
@@ -142,8 +143,9 @@ def _merge_groups(item: tuple[int, Iterable[str]]) -> Iterator[tuple[str, list[A
 
 
 class GroupByKey(beam.PTransform):
-    """``beam.GroupByKey`` for ``(str key, value)`` pairs that, on a local runner, holds one
-    run's buffer and one key's values at a time instead of every value (see the module)."""
+    """``beam.GroupByKey`` that, on a local runner, holds one run's buffer and one key's values
+    at a time instead of every value (see the module). Keys must order among themselves (one
+    type per collection: str, int, tuples of them) and pickle the same way every time."""
 
     def __init__(self, label: str) -> None:
         super().__init__()
@@ -158,4 +160,37 @@ class GroupByKey(beam.PTransform):
             | "SpillRuns" >> beam.ParDo(SpillRuns(directory, _group_entry, _entry_key))
             | "GroupRuns" >> beam.GroupByKey()
             | "MergeRuns" >> beam.FlatMap(_merge_groups)
+        )
+
+
+def _untag(item: tuple[Any, list[tuple[str, Any]]], tags: tuple[str, ...]) -> tuple[Any, dict]:
+    key, tagged = item
+    grouped: dict[str, list[Any]] = {tag: [] for tag in tags}
+    for tag, value in tagged:
+        grouped[tag].append(value)
+    return key, grouped
+
+
+class CoGroupByKey(beam.PTransform):
+    """``beam.CoGroupByKey`` of a dict of collections, spilled like ``GroupByKey`` on a local
+    runner: ``(key, {tag: [values]})`` for every key of any input."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.spill_label = label
+
+    def expand(self, inputs: dict[str, beam.PCollection]) -> beam.PCollection:
+        pipeline = next(iter(inputs.values())).pipeline
+        if not runs_locally(pipeline):
+            return inputs | "CoGroup" >> beam.CoGroupByKey()
+        tags = tuple(inputs)
+        tagged = [
+            pcoll | f"Tag[{tag}]" >> beam.MapTuple(lambda key, value, tag=tag: (key, (tag, value)))
+            for tag, pcoll in inputs.items()
+        ]
+        return (
+            tagged
+            | "Flatten" >> beam.Flatten()
+            | "Group" >> GroupByKey(self.spill_label)
+            | "Untag" >> beam.Map(_untag, tags)
         )

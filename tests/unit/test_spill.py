@@ -3,6 +3,7 @@ with bounded buffers (tiny runs here, so every shuffle is many runs), and no run
 
 from __future__ import annotations
 
+import json
 import random
 from collections import defaultdict
 from pathlib import Path
@@ -118,3 +119,30 @@ def test_written_shards_are_the_bytes_of_the_records_sorted(
         assert not list(directories[0].iterdir())
     else:
         assert not directories and not runs
+
+
+def test_spilled_co_group_by_key_gives_beams_groups(tiny_runs):
+    rng = random.Random(11)
+    left = [((rng.randrange(40), f"n{rng.randrange(3)}"), i) for i in range(300)]
+    right = [((rng.randrange(60), f"n{rng.randrange(3)}"), f"r{i}") for i in range(200)]
+
+    def canonical(item):
+        key, grouped = item  # as text, so that equal groups count as one element
+        return json.dumps([key, {tag: sorted(values) for tag, values in grouped.items()}])
+
+    with beam.Pipeline() as pipeline:
+        inputs = {
+            "left": pipeline | "L" >> beam.Create(left),
+            "right": pipeline | "R" >> beam.Create(right),
+        }
+        ours = inputs | "Spilled" >> spill.CoGroupByKey("test") | "Ours" >> beam.Map(canonical)
+        beams = inputs | beam.CoGroupByKey() | "Beams" >> beam.Map(canonical)
+        assert_that(
+            (ours, beams)
+            | beam.Flatten()
+            | beam.combiners.Count.PerElement()
+            | beam.Map(lambda counted: counted[1]),
+            equal_to([2] * len({k for k, _ in left} | {k for k, _ in right})),
+        )
+    _, runs = tiny_runs
+    assert len(runs) > 10
