@@ -96,8 +96,9 @@ def resolve_duplicates(item: tuple[str, Iterable[Document]]) -> Iterator[Any]:
     dead-lettered; a tagged ``GROUPS`` count for a hash shared by several documents.
 
     A group of one (almost every document) is kept without ranking it. A larger group is read
-    twice, the smallest rank first (a GroupByKey's values are re-iterable and streamed, so a
-    hash shared by millions of copies is never held in memory).
+    twice, the smallest rank first (on Dataflow a GroupByKey's values are re-iterable and
+    streamed, so a hash shared by millions of copies is never held in memory; the local runner's
+    spilled group holds one hash's documents at a time).
     """
     _, docs = item
     members = iter(docs)
