@@ -380,23 +380,31 @@ class WriteShards(beam.PTransform):
         self.shard_key = shard_key
         self.sort_key = sort_key
 
-    def expand(self, records: beam.PCollection) -> beam.PCollection:
+    def expand(self, records: beam.PCollection | tuple[beam.PCollection, ...]) -> beam.PCollection:
         n = self.num_shards
-        empties = records.pipeline | "AllShards" >> beam.Create([(i, None) for i in range(n)])
-        if spill.runs_locally(records.pipeline):
+        parts = records if isinstance(records, tuple) else (records,)
+        pipeline = parts[0].pipeline
+        empties = pipeline | "AllShards" >> beam.Create([(i, None) for i in range(n)])
+        if spill.runs_locally(pipeline):
             # The local runner would hold every record: sort in runs on disk instead (spill).
+            # Each part spills where it is made: flattening the parts first would make the
+            # runner materialize them.
             entry = functools.partial(
                 _shard_entry, shard_key=self.shard_key, sort_key=self.sort_key, num_shards=n
             )
-            runs = records | "SpillRuns" >> beam.ParDo(
-                spill.SpillRuns(spill.spill_directory(self.prefix.replace("/", "-")), entry)
-            )
+            directory = spill.spill_directory(self.prefix.replace("/", "-"))
+            runs = [
+                part | f"SpillRuns{i}" >> beam.ParDo(spill.SpillRuns(directory, entry))
+                for i, part in enumerate(parts)
+            ]
             return (
-                (runs, empties)
+                (*runs, empties)
                 | "WithEmpty" >> beam.Flatten()
                 | "GroupShard" >> beam.GroupByKey()
                 | "Write" >> beam.Map(_write_runs, self.output_dir, self.prefix, n)
             )
+        if isinstance(records, tuple):
+            records = records | "Parts" >> beam.Flatten()
         keyed = records | "Key" >> beam.Map(lambda r, k=self.shard_key: (stable_shard(k(r), n), r))
         return (
             (keyed, empties)
@@ -419,7 +427,10 @@ def _dead_letter_shard_key(letter: DeadLetter) -> str:
 
 
 def write_dead_letters(
-    letters: beam.PCollection, output_dir: str, num_shards: int, label: str = "WriteDead"
+    letters: beam.PCollection | tuple[beam.PCollection, ...],
+    output_dir: str,
+    num_shards: int,
+    label: str = "WriteDead",
 ) -> beam.PCollection:
     return letters | label >> WriteShards(
         output_dir, "dead_letter/part", num_shards, _dead_letter_shard_key, dead_letter_sort_key

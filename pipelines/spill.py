@@ -5,12 +5,12 @@ corpus (ingest by id; writing shards of documents it did not read as shards; eve
 dead letters) would hold the corpus. On a local runner (``runs_locally``) these shuffles spill
 instead, like an external merge sort:
 
-1. ``SpillRuns`` buffers up to ``RUN_BYTES`` of encoded entries per worker, then writes them
+1. ``SpillRuns`` buffers up to ``RUN_BYTES`` of encoded entries, then writes them
    as sorted *runs*, one file per partition (an output shard, a key range), under a temporary
    directory, and yields ``(partition, run path)``;
 2. a GroupByKey moves only the run paths;
 3. a partition's consumer merges its runs (``merge_runs``) in sorted order, holding one entry
-   per run, and deletes them.
+   per run (at most ``MAX_FAN_IN`` runs at once), and deletes them.
 
 Distributed runners (Dataflow) have a real shuffle, and their workers share no disk, so there
 the same transforms are a plain GroupByKey. Both give the same groups in the same order, hence
@@ -34,7 +34,10 @@ import apache_beam as beam
 import xxhash
 from apache_beam.transforms.window import GlobalWindows
 
-RUN_BYTES = 64 << 20  # encoded entries a worker buffers before it writes a run
+# Encoded entries one spilling step buffers before it writes a run. A stage has a few such steps
+# (fuzzy dedup's signing feeds three), so this bounds its peak together with the runner's own.
+RUN_BYTES = 16 << 20
+MAX_FAN_IN = 128  # runs merged at once; more are first merged into longer runs
 GROUP_PARTITIONS = 16  # key ranges of ``GroupByKey``: merged in parallel on a multi-worker runner
 # Runners whose workers are this process or its children, so they share this machine's disk.
 _LOCAL_RUNNERS = {"SwitchingDirectRunner", "DirectRunner", "BundleBasedDirectRunner", "FnApiRunner"}
@@ -72,8 +75,21 @@ def read_run(path: str) -> Iterator[Any]:
 
 
 def merge_runs(paths: Iterable[str], key: Callable[[Any], Any] | None = None) -> Iterator[Any]:
-    """The entries of sorted runs in sorted order; each run is deleted once read to its end."""
+    """The entries of sorted runs in sorted order; each run is deleted once read to its end.
+    More than ``MAX_FAN_IN`` runs are first merged in groups into longer runs (so a merge never
+    holds more than ``MAX_FAN_IN`` files open)."""
+    paths = list(paths)
+    while len(paths) > MAX_FAN_IN:
+        longer = []
+        for start in range(0, len(paths), MAX_FAN_IN):
+            group = paths[start : start + MAX_FAN_IN]
+            longer.append(f"{group[0]}.{uuid.uuid4().hex[:8]}")
+            write_run(longer[-1], _merge(group, key))
+        paths = longer
+    return _merge(paths, key)
 
+
+def _merge(paths: list[str], key: Callable[[Any], Any] | None) -> Iterator[Any]:
     def consume(path: str) -> Iterator[Any]:
         yield from read_run(path)
         os.remove(path)
@@ -142,6 +158,22 @@ def _merge_groups(item: tuple[int, Iterable[str]]) -> Iterator[tuple[Any, list[A
         yield (key, [pickle.loads(encoded) for _, encoded in entries])
 
 
+def _spill_groups(pcolls: dict[str, beam.PCollection], directory: str) -> beam.PCollection:
+    """``(key, value)`` collections -> ``(key, [value, ...])`` merged from spilled runs. Each
+    collection spills in its producer's stage: a Flatten of the collections themselves would
+    make the in-process runner materialize them, the very thing spilling avoids."""
+    runs = [
+        pcoll | f"SpillRuns[{name}]" >> beam.ParDo(SpillRuns(directory, _group_entry, _entry_key))
+        for name, pcoll in pcolls.items()
+    ]
+    return (
+        runs
+        | "AllRuns" >> beam.Flatten()
+        | "GroupRuns" >> beam.GroupByKey()
+        | "MergeRuns" >> beam.FlatMap(_merge_groups)
+    )
+
+
 class GroupByKey(beam.PTransform):
     """``beam.GroupByKey`` that, on a local runner, holds one run's buffer and one key's values
     at a time instead of every value (see the module). Keys must order among themselves (one
@@ -154,13 +186,7 @@ class GroupByKey(beam.PTransform):
     def expand(self, pairs: beam.PCollection) -> beam.PCollection:
         if not runs_locally(pairs.pipeline):
             return pairs | "Group" >> beam.GroupByKey()
-        directory = spill_directory(self.spill_label)
-        return (
-            pairs
-            | "SpillRuns" >> beam.ParDo(SpillRuns(directory, _group_entry, _entry_key))
-            | "GroupRuns" >> beam.GroupByKey()
-            | "MergeRuns" >> beam.FlatMap(_merge_groups)
-        )
+        return _spill_groups({"pairs": pairs}, spill_directory(self.spill_label))
 
 
 def _untag(item: tuple[Any, list[tuple[str, Any]]], tags: tuple[str, ...]) -> tuple[Any, dict]:
@@ -183,14 +209,10 @@ class CoGroupByKey(beam.PTransform):
         pipeline = next(iter(inputs.values())).pipeline
         if not runs_locally(pipeline):
             return inputs | "CoGroup" >> beam.CoGroupByKey()
-        tags = tuple(inputs)
-        tagged = [
-            pcoll | f"Tag[{tag}]" >> beam.MapTuple(lambda key, value, tag=tag: (key, (tag, value)))
+        tagged = {
+            tag: pcoll | f"Tag[{tag}]" >> beam.MapTuple(lambda k, v, tag=tag: (k, (tag, v)))
             for tag, pcoll in inputs.items()
-        ]
-        return (
-            tagged
-            | "Flatten" >> beam.Flatten()
-            | "Group" >> GroupByKey(self.spill_label)
-            | "Untag" >> beam.Map(_untag, tags)
+        }
+        return _spill_groups(tagged, spill_directory(self.spill_label)) | "Untag" >> beam.Map(
+            _untag, tuple(inputs)
         )

@@ -103,10 +103,14 @@ def pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
     return options
 
 
-def _count_reasons(letters: beam.PCollection) -> beam.PCollection:
+def _count_reasons(letters: Sequence[beam.PCollection]) -> beam.PCollection:
+    reasons = [
+        part | f"Reason{i}" >> beam.Map(lambda letter: letter["reason"])
+        for i, part in enumerate(letters)
+    ]
     return (
-        letters
-        | "Reason" >> beam.Map(lambda letter: letter["reason"])
+        reasons
+        | "AllReasons" >> beam.Flatten()
         | "CountReasons" >> beam.combiners.Count.PerElement()
     )
 
@@ -231,7 +235,7 @@ def run_pipeline(
     started = time.monotonic()
     with beam.Pipeline(options=options) as pipeline:
         planned = strategy.expand(pipeline, stage, config, list(inputs), output, num_shards)
-        dead = tuple(planned.dead) | "AllDead" >> beam.Flatten()
+        dead = tuple(planned.dead)  # not flattened: each part is written where it is made
         dead_shards = write_dead_letters(dead, output, num_shards)
         reasons = _count_reasons(dead)
         (

@@ -65,7 +65,10 @@ def test_spilled_group_by_key_gives_beams_groups(tiny_runs):
     assert not list(directory.iterdir())  # every run was merged, then deleted
 
 
-def test_sorted_runs_merge_in_order(tmp_path):
+@pytest.mark.parametrize("fan_in", [128, 3])
+def test_sorted_runs_merge_in_order(fan_in, monkeypatch, tmp_path):
+    """Eight runs merged at once, or (fan-in 3) through two levels of longer runs."""
+    monkeypatch.setattr(spill, "MAX_FAN_IN", fan_in)
     rng = random.Random(5)
     entries = [(rng.randrange(100), str(i)) for i in range(500)]
     paths = []
