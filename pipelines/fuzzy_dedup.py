@@ -18,6 +18,8 @@ Steps, all distributed (no step gathers all documents or all edges on one worker
    converges to one star per component centred on the component's smallest node.
    Convergence is checked locally at every node (the graph is a union of stars iff every node
    has either only larger neighbours or exactly one, smaller, neighbour) and counted per round.
+   On a local runner, whose one process holds every edge anyway, the same rounds run on the
+   whole edge list in one step and stop at convergence (same labels, same counts).
 5. **Resolution**: nodes are ordered by (longest text, then smallest id), so the component
    minimum *is* the canonical document; it is kept, the rest are dead-lettered as
    ``fuzzy_duplicate`` with ``duplicate_of`` / ``cluster``. Every kept document carries
@@ -355,11 +357,44 @@ def _label_step(item: tuple[NodeKey, Iterable[NodeKey]], round_index: int) -> It
     yield (smallest, node)
 
 
+def _adjacency(edges: Iterable[Edge]) -> Iterator[tuple[NodeKey, list[NodeKey]]]:
+    neighbors: dict[NodeKey, list[NodeKey]] = {}
+    for a, b in edges:
+        neighbors.setdefault(a, []).append(b)
+        neighbors.setdefault(b, []).append(a)
+    return iter(neighbors.items())
+
+
+def components_in_memory(edges: Iterable[Edge], max_rounds: int) -> Iterator[Any]:
+    """``ConnectedComponents``' rounds applied to the whole edge list in one process: the same
+    steps, so the same labels and the same tagged per-round ``UNCONVERGED`` counts."""
+    current = [(tuple(a), tuple(b)) for a, b in edges]  # coders may hand tuples back as lists
+    for r in range(1, max_rounds + 1):
+        large: list[Edge] = []
+        unconverged = 0
+        for item in _adjacency(current):
+            for out in _large_star_step(item, r):
+                if isinstance(out, pvalue.TaggedOutput):
+                    unconverged += 1
+                    yield out
+                else:
+                    large.append(out)
+        if not unconverged:
+            break  # a union of stars: both steps give it back as it is, round after round
+        smaller: dict[NodeKey, list[NodeKey]] = {}
+        for a, b in large:
+            smaller.setdefault(a, []).append(b)
+        current = [edge for item in smaller.items() for edge in _small_star_step(item)]
+    for item in _adjacency(current):
+        yield from _label_step(item, max_rounds + 1)
+
+
 class ConnectedComponents(beam.PTransform):
     """Edges (larger, smaller) -> (root, node) for every node with an edge; + tagged round stats.
 
     ``unconverged`` holds (round, 1) per node not yet in star shape at the *input* of that
-    round; round ``max_rounds + 1`` is the final labelling.
+    round; round ``max_rounds + 1`` is the final labelling. On a local runner the rounds run in
+    one step (``components_in_memory``), stopping once every component is a star.
     """
 
     def __init__(self, max_rounds: int) -> None:
@@ -367,6 +402,18 @@ class ConnectedComponents(beam.PTransform):
         self.max_rounds = max_rounds
 
     def expand(self, edges: beam.PCollection) -> dict[str, beam.PCollection]:
+        if spill.runs_locally(edges.pipeline):
+            # One process holds every edge anyway; two shuffles a round of a few thousand edges
+            # cost more than the rounds themselves.
+            found = (
+                edges
+                | "AllEdges" >> beam.combiners.ToList()
+                | "Rounds"
+                >> beam.FlatMap(components_in_memory, self.max_rounds).with_outputs(
+                    UNCONVERGED, main="labels"
+                )
+            )
+            return {"labels": found["labels"], UNCONVERGED: found[UNCONVERGED]}
         stats = []
         for r in range(1, self.max_rounds + 1):
             large = (

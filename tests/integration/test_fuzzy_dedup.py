@@ -12,16 +12,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from apache_beam.pvalue import TaggedOutput
 
-from pipelines import fuzzy_dedup
+from pipelines import fuzzy_dedup, spill
 from pipelines.beam_io import read_dead_letters, read_documents
 from pipelines.fuzzy_dedup import (
     FuzzyDedupConfig,
     NonConvergenceError,
+    components_in_memory,
     convergence_summary,
-    large_star,
-    small_star,
-    star_summary,
 )
 from pipelines.minhash import jaccard, shingle_set
 from pipelines.stage import StageError, config_from_mapping, run_stage
@@ -420,21 +419,6 @@ def test_nonconvergence_fails_only_when_asked():
 # ---- connected components, without Beam --------------------------------------------------------
 
 
-def _star_rounds(edges: set, rounds: int) -> set:
-    """The stage's large-star / small-star steps, run in memory."""
-    for _ in range(rounds):
-        adjacent: dict = defaultdict(set)
-        for a, b in edges:
-            adjacent[a].add(b)
-            adjacent[b].add(a)
-        large = {e for u, ns in adjacent.items() for e in large_star(u, ns)}
-        smaller: dict = defaultdict(set)
-        for a, b in large:
-            smaller[a].add(b)
-        edges = {e for u, ns in smaller.items() for e in small_star(u, ns)}
-    return edges
-
-
 @pytest.mark.parametrize("shape", ["chain", "tree", "random"])
 def test_star_rounds_find_the_components(shape):
     rng = random.Random(shape)
@@ -447,16 +431,32 @@ def test_star_rounds_find_the_components(shape):
     else:
         edges = [tuple(rng.sample(nodes, 2)) for _ in range(500)]
     edges = {(max(a, b), min(a, b)) for a, b in edges}
-    stars = _star_rounds(edges, 12)
-    adjacent: dict = defaultdict(set)
-    for a, b in stars:
-        adjacent[a].add(b)
-        adjacent[b].add(a)
-    assert all(star_summary(u, ns)[1] for u, ns in adjacent.items())
+    outputs = list(components_in_memory(sorted(edges), 12))
+    labels = [out for out in outputs if not isinstance(out, TaggedOutput)]
+    unconverged_rounds = {out.value[0] for out in outputs if isinstance(out, TaggedOutput)}
+    assert 1 in unconverged_rounds and 13 not in unconverged_rounds  # stars by the labelling
     expected = _components([n[1] for n in nodes], [(a[1], b[1]) for a, b in edges])  # union-find
-    for leaf, root in stars:
-        assert expected[leaf[1]] == expected[root[1]]
+    assert sorted(node for _, node in labels) == sorted({n for e in edges for n in e})
+    for root, node in labels:
+        assert expected[node[1]] == expected[root[1]]
         assert root == min(n for n in nodes if expected[n[1]] == expected[root[1]])
+
+
+@pytest.mark.parametrize("max_rounds", [1, 6])
+def test_in_memory_rounds_write_what_the_distributed_rounds_write(
+    max_rounds, tmp_path, digest, monkeypatch
+):
+    """The local runner's one-step rounds against the unrolled ones (what Dataflow runs): same
+    clusters and the same per-round counts, converged (6 rounds) or not (1 round)."""
+    inputs = [write_jsonl(tmp_path / "chain.jsonl", _chain(40))]
+    config = FuzzyDedupConfig(max_rounds=max_rounds)
+    local = run_stage("fuzzy_dedup", fuzzy_dedup.build, config, inputs, str(tmp_path / "local"))
+    monkeypatch.setattr(spill, "runs_locally", lambda pipeline: False)
+    unrolled = run_stage("fuzzy_dedup", fuzzy_dedup.build, config, inputs, str(tmp_path / "out"))
+    assert local.manifest.extra == unrolled.manifest.extra
+    assert local.manifest.extra["cc_converged"] is (max_rounds == 6)
+    for sub in ("data", "dead_letter"):
+        assert digest(tmp_path / "local" / sub) == digest(tmp_path / "out" / sub), sub
 
 
 # ---- non-convergence and config ----------------------------------------------------------------
