@@ -387,16 +387,10 @@ class WriteShards(beam.PTransform):
         empties = pipeline | "AllShards" >> beam.Create([(i, None) for i in range(n)])
         if spill.runs_locally(pipeline):
             # The local runner would hold every record: sort in runs on disk instead (spill).
-            # Each part spills where it is made: flattening the parts first would make the
-            # runner materialize them.
             entry = functools.partial(
                 _shard_entry, shard_key=self.shard_key, sort_key=self.sort_key, num_shards=n
             )
-            directory = spill.spill_directory(self.prefix.replace("/", "-"))
-            runs = [
-                part | f"SpillRuns{i}" >> beam.ParDo(spill.SpillRuns(directory, entry))
-                for i, part in enumerate(parts)
-            ]
+            runs = spill.spill_each(parts, spill.spill_directory(self.prefix), entry)
             return (
                 (*runs, empties)
                 | "WithEmpty" >> beam.Flatten()

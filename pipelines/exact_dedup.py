@@ -130,7 +130,7 @@ def dedup_documents(docs: beam.PCollection) -> tuple[Any, Any, list[Any]]:
     )
     resolved = (
         keyed["keyed"]
-        | "GroupByTextHash" >> spill.GroupByKey("exact-groupbytexthash")
+        | "GroupByTextHash" >> spill.GroupByKey()
         | "Resolve" >> beam.FlatMap(resolve_duplicates).with_outputs(DEAD, GROUPS, main="kept")
     )
     dropped = (keyed[DEAD], resolved[DEAD]) | "DocumentDropped" >> beam.Flatten()
@@ -257,7 +257,7 @@ def dedup_paragraphs(
     )
     spans = (
         occurrences["occurrences"]
-        | "GroupByParagraph" >> spill.GroupByKey("exact-groupbyparagraph")
+        | "GroupByParagraph" >> spill.GroupByKey()
         | "RepeatedSpans" >> beam.FlatMap(repeated_spans).with_outputs(SHARED, main="spans")
     )
     attached = (
@@ -265,7 +265,7 @@ def dedup_paragraphs(
             "docs": docs | "KeyByDoc" >> beam.Map(lambda d: (document_key(d), d)),
             "spans": spans["spans"],
         }
-        | "JoinSpans" >> spill.CoGroupByKey("exact-joinspans")
+        | "JoinSpans" >> spill.CoGroupByKey()
         | "Attach" >> beam.FlatMap(attach_spans, config).with_outputs(DEAD, CHARS, main="kept")
     )
     totals = _paragraph_totals(
@@ -541,7 +541,7 @@ class ExactDedup:
         if config.dedup_documents:
             decided = (
                 keyed["keys"]
-                | "GroupByTextHash" >> spill.GroupByKey("exact-groupbytexthash")
+                | "GroupByTextHash" >> spill.GroupByKey()
                 | "Decide"
                 >> beam.FlatMap(document_decisions, num_shards).with_outputs(
                     GROUPS, main="decisions"
@@ -553,20 +553,20 @@ class ExactDedup:
         if config.dedup_paragraphs:
             scanned = (
                 {"paths": shards, "decisions": decisions}
-                | "JoinDecisions" >> spill.CoGroupByKey("exact-joindecisions")
+                | "JoinDecisions" >> spill.CoGroupByKey()
                 | "Paragraphs"
                 >> beam.ParDo(ParagraphShard(config, num_shards)).with_outputs(ERRORS, main="parts")
             )
             found = (
                 scanned["parts"]
-                | "GroupByPartition" >> spill.GroupByKey("exact-groupbypartition")
+                | "GroupByPartition" >> spill.GroupByKey()
                 | "RepeatedSpans"
                 >> beam.FlatMap(partition_spans, num_shards).with_outputs(SHARED, main="spans")
             )
             spans = found["spans"]
         attached = (
             {"paths": shards, "decisions": decisions, "spans": spans}
-            | "JoinShard" >> spill.CoGroupByKey("exact-joinshard")
+            | "JoinShard" >> spill.CoGroupByKey()
             | "Attach"
             >> beam.ParDo(AttachShard(config, output, num_shards)).with_outputs(
                 DEAD, CHARS, main="shards"

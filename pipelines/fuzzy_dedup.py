@@ -3,7 +3,8 @@
     python -m pipelines.fuzzy_dedup --input out/exact_dedup --output out/fuzzy_dedup \\
         --config '{"threshold": 0.8}' [--runner DataflowRunner ...]
 
-Steps, all distributed (no step gathers all documents or all edges on one worker):
+Steps, all distributed on a distributed runner (no step gathers all documents or all edges on
+one worker; a local runner's one process runs step 4 in one piece, see there):
 
 1. **Signatures**: batches of documents -> MinHash signatures of their word 5-gram shingles
    (``pipelines.minhash``, vectorized), and one LSH bucket key per band.
@@ -539,7 +540,7 @@ def _clusters(
     sigs = hashed["sigs"]
     links = (
         hashed[BANDS]
-        | "GroupPartitions" >> spill.GroupByKey("fuzzy-grouppartitions")
+        | "GroupPartitions" >> spill.GroupByKey()
         | "LinkToHead" >> beam.FlatMap(link_partition).with_outputs(BUCKET_SIZE, main="links")
     )
     member_links = links["links"] | "AtMemberPartition" >> beam.Map(
@@ -547,12 +548,12 @@ def _clusters(
     )
     candidates = (
         {"sigs": sigs, "links": member_links}
-        | "AtMember" >> spill.CoGroupByKey("fuzzy-atmember")
+        | "AtMember" >> spill.CoGroupByKey()
         | "AttachSignature" >> beam.FlatMap(attach_member_signatures, partitions)
     )
     edges = (
         {"sigs": sigs, "candidates": candidates}
-        | "AtHead" >> spill.CoGroupByKey("fuzzy-athead")
+        | "AtHead" >> spill.CoGroupByKey()
         | "Verify" >> beam.FlatMap(verify_candidates, config.threshold)
     )
 
@@ -635,7 +636,7 @@ def build(
             "docs": docs | "KeyByNode" >> beam.Map(lambda doc: (node_key(doc), doc)),
             "cluster": members,
         }
-        | "JoinClusters" >> spill.CoGroupByKey("fuzzy-joinclusters")
+        | "JoinClusters" >> spill.CoGroupByKey()
         | "Resolve" >> beam.FlatMap(resolve).with_outputs(DEAD, main="kept")
     )
     return StageOutputs(resolved["kept"], resolved[DEAD], extra)
@@ -734,7 +735,7 @@ class FuzzyDedup:
         )
         resolved = (
             {"paths": shards, "decisions": decisions}
-            | "JoinShardDecisions" >> spill.CoGroupByKey("fuzzy-joinsharddecisions")
+            | "JoinShardDecisions" >> spill.CoGroupByKey()
             | "ResolveShards"
             >> beam.ParDo(ResolveShard(output, num_shards)).with_outputs(DEAD, main="shards")
         )

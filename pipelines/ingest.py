@@ -98,7 +98,7 @@ def build(records: beam.PCollection, config: IngestConfig) -> StageOutputs:
     )
     resolved = (
         converted["docs"]
-        | "GroupById" >> spill.GroupByKey("ingest-ids")
+        | "GroupById" >> spill.GroupByKey()
         | "ResolveIds" >> beam.FlatMap(resolve_duplicate_ids).with_outputs(DEAD, main="docs")
     )
     dropped = (converted[DEAD], resolved[DEAD]) | "IngestDropped" >> beam.Flatten()

@@ -24,10 +24,11 @@ import heapq
 import itertools
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -49,9 +50,11 @@ def runs_locally(pipeline: beam.Pipeline) -> bool:
 
 
 def spill_directory(label: str) -> str:
-    """A fresh directory for one transform's runs, removed when this process exits (the
+    """A fresh directory for one transform's runs (``label``: its name, for whoever looks in
+    ``TMPDIR``), removed when this process exits (the
     in-process runner's workers are this process; consumers delete runs as they merge them)."""
-    directory = tempfile.mkdtemp(prefix=f"slipway-spill-{label}-")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)
+    directory = tempfile.mkdtemp(prefix=f"slipway-spill-{safe}-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return directory
 
@@ -106,12 +109,11 @@ class SpillRuns(beam.DoFn):
         directory: str,
         entry: Callable[[Any], tuple[int, Any, int]],
         sort_key: Callable[[Any], Any] | None = None,
-        run_bytes: int | None = None,
     ) -> None:
         self.directory = directory
         self.entry = entry
         self.sort_key = sort_key
-        self.run_bytes = RUN_BYTES if run_bytes is None else run_bytes
+        self.run_bytes = RUN_BYTES
 
     def start_bundle(self) -> None:
         self._buffer: dict[int, list[Any]] = {}
@@ -158,16 +160,25 @@ def _merge_groups(item: tuple[int, Iterable[str]]) -> Iterator[tuple[Any, list[A
         yield (key, [pickle.loads(encoded) for _, encoded in entries])
 
 
-def _spill_groups(pcolls: dict[str, beam.PCollection], directory: str) -> beam.PCollection:
-    """``(key, value)`` collections -> ``(key, [value, ...])`` merged from spilled runs. Each
-    collection spills in its producer's stage: a Flatten of the collections themselves would
-    make the in-process runner materialize them, the very thing spilling avoids."""
-    runs = [
-        pcoll | f"SpillRuns[{name}]" >> beam.ParDo(SpillRuns(directory, _group_entry, _entry_key))
-        for name, pcoll in pcolls.items()
+def spill_each(
+    parts: Sequence[beam.PCollection],
+    directory: str,
+    entry: Callable[[Any], tuple[int, Any, int]],
+    sort_key: Callable[[Any], Any] | None = None,
+) -> list[beam.PCollection]:
+    """``SpillRuns`` on each collection where it is made: a Flatten of the collections
+    themselves would make the in-process runner materialize them, the very thing spilling
+    avoids. Flatten the returned ``(partition, run path)`` collections instead."""
+    return [
+        part | f"SpillRuns{i}" >> beam.ParDo(SpillRuns(directory, entry, sort_key))
+        for i, part in enumerate(parts)
     ]
+
+
+def _spill_groups(pcolls: Sequence[beam.PCollection], directory: str) -> beam.PCollection:
+    """``(key, value)`` collections -> ``(key, [value, ...])`` merged from spilled runs."""
     return (
-        runs
+        spill_each(pcolls, directory, _group_entry, _entry_key)
         | "AllRuns" >> beam.Flatten()
         | "GroupRuns" >> beam.GroupByKey()
         | "MergeRuns" >> beam.FlatMap(_merge_groups)
@@ -179,14 +190,10 @@ class GroupByKey(beam.PTransform):
     at a time instead of every value (see the module). Keys must order among themselves (one
     type per collection: str, int, tuples of them) and pickle the same way every time."""
 
-    def __init__(self, label: str) -> None:
-        super().__init__()
-        self.spill_label = label
-
     def expand(self, pairs: beam.PCollection) -> beam.PCollection:
         if not runs_locally(pairs.pipeline):
             return pairs | "Group" >> beam.GroupByKey()
-        return _spill_groups({"pairs": pairs}, spill_directory(self.spill_label))
+        return _spill_groups([pairs], spill_directory(self.label))
 
 
 def _untag(item: tuple[Any, list[tuple[str, Any]]], tags: tuple[str, ...]) -> tuple[Any, dict]:
@@ -201,18 +208,14 @@ class CoGroupByKey(beam.PTransform):
     """``beam.CoGroupByKey`` of a dict of collections, spilled like ``GroupByKey`` on a local
     runner: ``(key, {tag: [values]})`` for every key of any input."""
 
-    def __init__(self, label: str) -> None:
-        super().__init__()
-        self.spill_label = label
-
     def expand(self, inputs: dict[str, beam.PCollection]) -> beam.PCollection:
         pipeline = next(iter(inputs.values())).pipeline
         if not runs_locally(pipeline):
             return inputs | "CoGroup" >> beam.CoGroupByKey()
-        tagged = {
-            tag: pcoll | f"Tag[{tag}]" >> beam.MapTuple(lambda k, v, tag=tag: (k, (tag, v)))
+        tagged = [
+            pcoll | f"Tag[{tag}]" >> beam.MapTuple(lambda k, v, tag=tag: (k, (tag, v)))
             for tag, pcoll in inputs.items()
-        }
-        return _spill_groups(tagged, spill_directory(self.spill_label)) | "Untag" >> beam.Map(
+        ]
+        return _spill_groups(tagged, spill_directory(self.label)) | "Untag" >> beam.Map(
             _untag, tuple(inputs)
         )

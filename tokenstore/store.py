@@ -120,9 +120,8 @@ class _GrowingArray:
         if self._pending_len >= self._flush_at:
             self._flush(final=False)
 
-    def close(self) -> int:
+    def close(self) -> None:
         self._flush(final=True)
-        return self.size
 
     def _flush(self, final: bool) -> None:
         if not self._pending_len:

@@ -56,7 +56,7 @@ def test_spilled_group_by_key_gives_beams_groups(tiny_runs):
         grouped = (
             pipeline
             | beam.Create(pairs)
-            | spill.GroupByKey("test")
+            | spill.GroupByKey()
             | beam.MapTuple(lambda key, values: (key, sorted(v["i"] for v in values)))
         )
         assert_that(grouped, equal_to(sorted(expected.items())))
@@ -138,7 +138,7 @@ def test_spilled_co_group_by_key_gives_beams_groups(tiny_runs):
             "left": pipeline | "L" >> beam.Create(left),
             "right": pipeline | "R" >> beam.Create(right),
         }
-        ours = inputs | "Spilled" >> spill.CoGroupByKey("test") | "Ours" >> beam.Map(canonical)
+        ours = inputs | "Spilled" >> spill.CoGroupByKey() | "Ours" >> beam.Map(canonical)
         beams = inputs | beam.CoGroupByKey() | "Beams" >> beam.Map(canonical)
         assert_that(
             (ours, beams)
