@@ -489,9 +489,11 @@ def _with_cluster(doc: Document, info: dict[str, Any]) -> Document:
 def resolve(item: tuple[NodeKey, dict[str, Iterable[Any]]]) -> Iterator[Any]:
     """A node's documents and cluster -> the kept canonical document or dead letters."""
     node, grouped = item
-    docs = sorted(grouped["docs"], key=dumps)
+    docs = list(grouped["docs"])
     if not docs:
         return
+    if len(docs) > 1:  # same id and length: ordered by their bytes (the key costs an encoding)
+        docs.sort(key=dumps)
     clusters = list(grouped["cluster"])
     root, size = clusters[0] if clusters else (node, 1)
     info = {"cluster": root[1], "cluster_size": size}

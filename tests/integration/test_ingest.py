@@ -12,11 +12,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
 
 from pipelines import ingest
 from pipelines.beam_io import read_dead_letters, read_documents
 from pipelines.manifest import read_manifest
-from pipelines.stage import StageError, config_from_mapping, run_stage
+from pipelines.stage import StageError, config_from_mapping, pipeline_runner, run_stage
 
 BIG_DOC_CHARS = 20 * 1024 * 1024
 
@@ -170,6 +171,39 @@ def test_same_input_same_bytes_in_process_and_multi_processing(hostile_inputs, t
     )
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
     assert read_manifest(str(tmp_path / "a")).records_in > 0
+
+
+def test_direct_runner_is_the_in_process_fn_api_runner(hostile_inputs, tmp_path, monkeypatch):
+    """``--runner=DirectRunner`` runs on Beam's FnApiRunner, never through Beam's switching
+    DirectRunner (which would first try to fetch and run Prism); other runners pass by name."""
+    from apache_beam.runners.direct import direct_runner
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the stage went through Beam's switching DirectRunner")
+
+    ran = []
+    real_run = fn_runner.FnApiRunner.run_pipeline
+
+    def spy(self, pipeline, options):
+        ran.append(options.view_as(DirectOptions).direct_num_workers)
+        return real_run(self, pipeline, options)
+
+    monkeypatch.setattr(direct_runner.SwitchingDirectRunner, "run_pipeline", refuse)
+    monkeypatch.setattr(fn_runner.FnApiRunner, "run_pipeline", spy)
+    run = run_stage(
+        "ingest",
+        ingest.build,
+        ingest.IngestConfig(source="web"),
+        [str(hostile_inputs / "mixed.jsonl")],
+        str(tmp_path / "o"),
+        raw_records=True,
+        beam_args=["--runner=DirectRunner", "--direct_num_workers=1"],
+    )
+    assert ran == [1]  # the stage's options reached the runner
+    assert run.manifest.records_out > 0
+    dataflow = PipelineOptions(["--runner=DataflowRunner"])
+    assert pipeline_runner(dataflow) == "DataflowRunner"
 
 
 def test_unknown_config_field_is_named():
