@@ -40,7 +40,7 @@ from pipelines.beam_io import DEAD, RECORDS, ReadRecords
 from pipelines.configs import DecontaminateConfig
 from pipelines.documents import Document, InvalidRecord, dead_letter, validate_document
 from pipelines.map_stage import MapDocuments, MapParts
-from pipelines.stage import StageError, StageRun, stage_main
+from pipelines.stage import StageError, StageRun, run_as_command, stage_main
 from pipelines.text import (
     ngram_hashes,
     ngram_hashes_by_length,
@@ -331,4 +331,4 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

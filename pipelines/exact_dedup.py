@@ -45,7 +45,14 @@ from pipelines.map_stage import (
     planned_shards,
     write_shard,
 )
-from pipelines.stage import DocumentShards, Planned, StageOutputs, StageRun, stage_main
+from pipelines.stage import (
+    DocumentShards,
+    Planned,
+    StageOutputs,
+    StageRun,
+    run_as_command,
+    stage_main,
+)
 from pipelines.text import dedup_key_text, line_spans, paragraph_spans
 
 log = logging.getLogger(__name__)
@@ -595,4 +602,4 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

@@ -74,6 +74,7 @@ from pipelines.stage import (
     Planned,
     StageOutputs,
     StageRun,
+    run_as_command,
     stage_main,
 )
 
@@ -751,4 +752,4 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

@@ -22,7 +22,7 @@ from pipelines import spill
 from pipelines.beam_io import DEAD
 from pipelines.configs import IngestConfig
 from pipelines.documents import Document, dead_letter, make_document
-from pipelines.stage import StageOutputs, StageRun, stage_main
+from pipelines.stage import StageOutputs, StageRun, run_as_command, stage_main
 from pipelines.text import normalize_text
 
 STAGE = "ingest"
@@ -110,4 +110,4 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

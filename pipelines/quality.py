@@ -33,7 +33,7 @@ from pipelines.beam_io import DEAD
 from pipelines.configs import QualityConfig, QualityThresholds
 from pipelines.documents import Document, dead_letter
 from pipelines.map_stage import MapDocuments, MapParts
-from pipelines.stage import StageRun, stage_main
+from pipelines.stage import StageRun, run_as_command, stage_main
 from pipelines.text import (
     first_of_runs,
     line_spans,
@@ -403,4 +403,4 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

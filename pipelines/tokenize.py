@@ -59,7 +59,7 @@ from pipelines.beam_io import (
 from pipelines.configs import TokenizeConfig
 from pipelines.documents import DeadLetter, Document, dead_letter
 from pipelines.manifest import ShardInfo
-from pipelines.stage import StageError, StageRun
+from pipelines.stage import StageError, StageRun, run_as_command
 
 log = logging.getLogger(__name__)
 
@@ -379,4 +379,4 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

@@ -62,7 +62,7 @@ from pipelines.beam_io import stable_shard
 from pipelines.configs import TrainTokenizerConfig
 from pipelines.documents import Document
 from pipelines.map_stage import INPUT_DEAD, RECORDS_IN, ShardDocuments, input_shards
-from pipelines.stage import StageError, StageRun
+from pipelines.stage import StageError, StageRun, run_as_command
 
 log = logging.getLogger(__name__)
 
@@ -430,4 +430,4 @@ def main(argv: Sequence[str] | None = None) -> StageRun:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_command(main)

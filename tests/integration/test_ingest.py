@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import subprocess
@@ -17,7 +18,13 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
 from pipelines import ingest
 from pipelines.beam_io import read_dead_letters, read_documents
 from pipelines.manifest import read_manifest
-from pipelines.stage import StageError, config_from_mapping, pipeline_runner, run_stage
+from pipelines.stage import (
+    StageError,
+    config_from_mapping,
+    pipeline_runner,
+    run_as_command,
+    run_stage,
+)
 
 BIG_DOC_CHARS = 20 * 1024 * 1024
 
@@ -204,6 +211,23 @@ def test_direct_runner_is_the_in_process_fn_api_runner(hostile_inputs, tmp_path,
     assert run.manifest.records_out > 0
     dataflow = PipelineOptions(["--runner=DataflowRunner"])
     assert pipeline_runner(dataflow) == "DataflowRunner"
+
+
+def test_run_as_command_keeps_the_heap_from_the_collector_around_main():
+    """A stage process's long-lived objects are frozen before ``main`` and again after it."""
+    frozen_in_main: list[int] = []
+    made_by_main: list[list[int]] = []
+
+    def main() -> None:
+        frozen_in_main.append(gc.get_freeze_count())
+        made_by_main.extend([i] for i in range(10_000))
+
+    try:
+        run_as_command(main)
+        assert frozen_in_main[0] > 1000  # the imported modules, Beam's included
+        assert gc.get_freeze_count() > frozen_in_main[0] + 9_000  # and what main left
+    finally:
+        gc.unfreeze()
 
 
 def test_unknown_config_field_is_named():
