@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
+from apache_beam.runners.portability.fn_api_runner import fn_runner
 
 from pipelines import ingest
 from pipelines.beam_io import read_dead_letters, read_documents
@@ -184,7 +185,6 @@ def test_direct_runner_is_the_in_process_fn_api_runner(hostile_inputs, tmp_path,
     """``--runner=DirectRunner`` runs on Beam's FnApiRunner, never through Beam's switching
     DirectRunner (which would first try to fetch and run Prism); other runners pass by name."""
     from apache_beam.runners.direct import direct_runner
-    from apache_beam.runners.portability.fn_api_runner import fn_runner
 
     def refuse(*args, **kwargs):
         raise AssertionError("the stage went through Beam's switching DirectRunner")
@@ -213,19 +213,26 @@ def test_direct_runner_is_the_in_process_fn_api_runner(hostile_inputs, tmp_path,
     assert pipeline_runner(dataflow) == "DataflowRunner"
 
 
-def test_run_as_command_keeps_the_heap_from_the_collector_around_main():
-    """A stage process's long-lived objects are frozen before ``main`` and again after it."""
-    frozen_in_main: list[int] = []
-    made_by_main: list[list[int]] = []
+def test_heap_frozen_during_the_run_and_at_exit(hostile_inputs, tmp_path, monkeypatch):
+    """Objects that outlive a stage's run are out of the collector's sight while it runs,
+    and back after it; a stage command also freezes what it leaves for the exit."""
+    frozen_during_run = []
+    real_run = fn_runner.FnApiRunner.run_pipeline
 
-    def main() -> None:
-        frozen_in_main.append(gc.get_freeze_count())
-        made_by_main.extend([i] for i in range(10_000))
+    def spy(self, pipeline, options):
+        frozen_during_run.append(gc.get_freeze_count())
+        return real_run(self, pipeline, options)
 
+    monkeypatch.setattr(fn_runner.FnApiRunner, "run_pipeline", spy)
+    config = ingest.IngestConfig(source="web")
+    inputs = [str(hostile_inputs / "mixed.jsonl")]
     try:
-        run_as_command(main)
-        assert frozen_in_main[0] > 1000  # the imported modules, Beam's included
-        assert gc.get_freeze_count() > frozen_in_main[0] + 9_000  # and what main left
+        run_stage("ingest", ingest.build, config, inputs, str(tmp_path / "o"), raw_records=True)
+        assert frozen_during_run[0] > 1000  # the imported modules, Beam's included
+        assert gc.get_freeze_count() == 0
+        made_by_main: list[list[int]] = []
+        run_as_command(lambda: made_by_main.extend([i] for i in range(10_000)))
+        assert gc.get_freeze_count() > 10_000
     finally:
         gc.unfreeze()
 
