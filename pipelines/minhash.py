@@ -5,7 +5,7 @@ tests and the benchmark share one implementation.
 
 Pipeline of a batch of texts, each step one numpy pass over the whole batch:
 
-1. words (``pipelines.text.words``) are joined into one byte buffer and hashed together with
+1. words (``pipelines.text.spaced_words``) are joined into one byte buffer and hashed together with
    *tabulation hashing* (a random table per byte position, summed per word): one gather and one
    ``np.add.reduceat`` for the batch instead of a Python hash call per word or shingle;
 2. word ``ngram``-grams (shingles) are hashed by a position-weighted sum of their word hashes,
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.text import words
+from pipelines.text import spaced_words, words
 
 U64 = np.uint64
 MASK64 = (1 << 64) - 1
@@ -101,16 +101,24 @@ def fmix64(h: np.ndarray) -> np.ndarray:
     return h ^ (h >> U64(33))
 
 
-def word_hashes(word_lists: Sequence[Sequence[str]], hasher: Hasher) -> np.ndarray:
-    """uint64 hash of every word of every document, concatenated in order."""
-    joined = " ".join(" ".join(ws) for ws in word_lists if ws).encode("utf-8")
-    if not joined:
-        return np.zeros(0, dtype=U64)
+def word_hashes(spaced: Sequence[bytes], hasher: Hasher) -> tuple[np.ndarray, np.ndarray]:
+    """uint64 hash of every word of every document, concatenated in order, and the documents'
+    word counts. ``spaced``: each document's words as ``pipelines.text.spaced_words`` gives
+    them (UTF-8, separated by runs of spaces)."""
+    joined = b" ".join(spaced)
     buf = np.frombuffer(joined, dtype=np.uint8)
     # Word characters never encode to a space byte (UTF-8 continuation bytes are >= 0x80), so
     # spaces are exactly the word boundaries; the table maps a space to 0 at every position,
-    # so each word's segment (which ends with its separator) sums to the word's hash alone.
+    # so each word's segment (the word and the spaces after it) sums to the word's hash alone.
     is_sep = buf == 0x20
+    is_start = ~is_sep
+    is_start[1:] &= is_sep[:-1]
+    starts = np.flatnonzero(is_start)
+    lengths = np.fromiter(map(len, spaced), dtype=np.int64, count=len(spaced))
+    ends = np.cumsum(lengths + 1) - 1  # one past each document's bytes (joined by one space)
+    word_counts = np.searchsorted(starts, ends) - np.searchsorted(starts, ends - lengths)
+    if starts.size == 0:
+        return np.zeros(0, dtype=U64), word_counts
     index = np.arange(buf.size, dtype=np.int32 if buf.size < 2**31 else np.int64)
     position = index - np.maximum.accumulate(np.where(is_sep, index + 1, 0))
     values = hasher.byte_table[(position & (_TABLE_POSITIONS - 1)) << 8 | buf]
@@ -118,8 +126,7 @@ def word_hashes(word_lists: Sequence[Sequence[str]], hasher: Hasher) -> np.ndarr
         # Rows repeat past 64 bytes; an odd factor per 64-byte block keeps long words that
         # differ only by a rotation of whole blocks (the same (row, byte) multiset) apart.
         values = values * ((position >> 6) * 2 + 1).astype(U64)
-    starts = np.concatenate(([0], np.flatnonzero(is_sep) + 1))
-    return fmix64(np.add.reduceat(values, starts))
+    return fmix64(np.add.reduceat(values, starts)), word_counts
 
 
 def shingle_counts(word_counts: np.ndarray, ngram: int) -> np.ndarray:
@@ -186,9 +193,8 @@ def minhash(shingles: np.ndarray, counts: np.ndarray, hasher: Hasher) -> np.ndar
 
 def signatures(texts: Sequence[str], hasher: Hasher) -> tuple[np.ndarray, np.ndarray]:
     """MinHash signatures of a batch of texts and their shingle counts, in a few numpy calls."""
-    word_lists = [words(t) for t in texts]
-    word_counts = np.fromiter((len(ws) for ws in word_lists), dtype=np.int64, count=len(texts))
-    shingles, counts = shingle_hashes(word_hashes(word_lists, hasher), word_counts, hasher)
+    hashes, word_counts = word_hashes([spaced_words(t) for t in texts], hasher)
+    shingles, counts = shingle_hashes(hashes, word_counts, hasher)
     return minhash(shingles, counts, hasher), counts
 
 

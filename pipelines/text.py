@@ -14,6 +14,10 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ufeff\u200b-\u200d\u2060]")
 _TRAILING_SPACE = re.compile(r"[ \t\u00a0]+$", re.MULTILINE)
 _BLANK_RUNS = re.compile(r"\n{3,}")
 _WORD = re.compile(r"\w+", re.UNICODE)
+# Byte -> itself if it is an ASCII word character of ``_WORD``, else a space.
+_ASCII_WORD_BYTES = bytes(
+    c if c < 0x80 and (chr(c).isalnum() or chr(c) == "_") else 0x20 for c in range(256)
+)
 
 
 def normalize_text(text: str) -> str:
@@ -34,8 +38,19 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
+def spaced_words(text: str) -> bytes:
+    r"""``words(text)`` in UTF-8, separated by runs of one or more spaces (maybe also leading or
+    trailing): what vectorized hashing reads. ASCII text takes one byte translation instead of
+    a regex match and a string per word; on ASCII, ``\w`` is exactly letters, digits and "_"."""
+    if text.isascii():
+        return text.lower().encode("ascii").translate(_ASCII_WORD_BYTES)
+    return " ".join(words(text)).encode("utf-8")
+
+
 def dedup_key_text(text: str) -> str:
     """Text as compared by exact dedup: case, punctuation and whitespace differences ignored."""
+    if text.isascii():
+        return b" ".join(spaced_words(text).split()).decode("ascii")
     return " ".join(words(text))
 
 

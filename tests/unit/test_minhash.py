@@ -52,8 +52,9 @@ def _reference_signature(text: str, hasher: minhash.Hasher) -> np.ndarray:
         return np.full(num_perm, EMPTY, dtype=np.uint32)
     best = [2**32] * num_perm
     for shingle in shingles:
-        hashes = word_hashes([list(shingle)], hasher)
-        (value,), _ = shingle_hashes(hashes, np.array([len(shingle)]), hasher)
+        hashes, word_counts = word_hashes([" ".join(shingle).encode()], hasher)
+        assert word_counts.tolist() == [len(shingle)]
+        (value,), _ = shingle_hashes(hashes, word_counts, hasher)
         for p in range(num_perm):
             h = (int(hasher.perm_a[p]) * int(value) + int(hasher.perm_b[p])) % 2**32
             best[p] = min(best[p], h)
@@ -111,7 +112,7 @@ def test_distinct_words_hash_apart():
         "東京",
         "京東",
     ]
-    hashes = word_hashes([words], HASHER)
+    hashes, _ = word_hashes([" ".join(words).encode()], HASHER)
     assert len(set(hashes.tolist())) == len(words)
     # Word boundaries matter: "ab cd" and "abc d" are different word sequences.
     assert (
@@ -203,3 +204,17 @@ def test_params_are_validated():
         MinHashParams(num_perm=0)
     with pytest.raises(ValueError):
         optimal_bands(1.0, 256)
+
+
+def test_word_hashes_read_runs_of_spaces_and_empty_documents():
+    """Spaces between, before and after words, and documents without words, change nothing
+    but where each document's words are counted."""
+    runs = [b"  ab  c ", b"", b"   ", b"d e", b"e"]
+    single = [b"ab c", b"", b"", b"d e", b"e"]
+    hashes, counts = word_hashes(runs, HASHER)
+    expected, expected_counts = word_hashes(single, HASHER)
+    np.testing.assert_array_equal(hashes, expected)
+    assert counts.tolist() == expected_counts.tolist() == [2, 0, 0, 2, 1]
+    assert hashes[3] == hashes[4] != hashes[0]  # the same word, wherever it is
+    empty, none = word_hashes([b"", b" "], HASHER)
+    assert empty.size == 0 and none.tolist() == [0, 0]

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
 from pipelines.exact_dedup import remove_spans
 from pipelines.text import (
+    dedup_key_text,
     line_spans,
     ngram_hashes,
     ngram_hashes_by_length,
     paragraph_spans,
     sorted_unique,
+    spaced_words,
     token_hashes,
+    words,
 )
 
 
@@ -101,3 +106,27 @@ def test_sorted_unique_equals_numpy_unique():
     values = np.random.default_rng(3).integers(0, 50, 400, dtype=np.uint64)
     for part in (values[:0], values[:1], values):
         np.testing.assert_array_equal(sorted_unique(part), np.unique(part))
+
+
+def test_ascii_fast_paths_tokenize_as_the_regex_does():
+    """``spaced_words`` and ``dedup_key_text`` translate ASCII text byte by byte; they must
+    split exactly where ``words`` (the ``\\w+`` regex) does, on every ASCII character and on
+    text that is not ASCII (which takes the regex)."""
+    every_ascii = "".join(chr(c) for c in range(128))
+    rng = random.Random(7)
+    alphabet = [chr(c) for c in range(128)] + list("ÄéßΣ東京ǅ٣ª\u00a0\u2028")
+    texts = [every_ascii, "", "   ", "_a_ B9\tc\x00d", "Hello,  WORLD!", "naïve café"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(60))) for _ in range(500)]
+    texts += [
+        "".join(chr(rng.randrange(128)) for _ in range(rng.randrange(60))) for _ in range(500)
+    ]
+    for text in texts:
+        expected = words(text)
+        assert spaced_words(text).split() == [w.encode() for w in expected], text
+        assert dedup_key_text(text) == " ".join(expected), text
+    assert words(every_ascii) == [
+        "0123456789",
+        "abcdefghijklmnopqrstuvwxyz",
+        "_",
+        "abcdefghijklmnopqrstuvwxyz",
+    ]
