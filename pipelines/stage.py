@@ -115,7 +115,7 @@ def pipeline_runner(options: PipelineOptions) -> str | PipelineRunner:
     the FnApiRunner. Slipway's local runs are the FnApiRunner, whatever the network.
     """
     name = options.view_as(StandardOptions).runner
-    if name not in ("DirectRunner", "SwitchingDirectRunner"):
+    if not _is_direct_runner(name):
         return name
     # Imported here: the Dataflow path does not need the local runner's modules.
     from apache_beam.portability.api import beam_provision_api_pb2
@@ -125,6 +125,16 @@ def pipeline_runner(options: PipelineOptions) -> str | PipelineRunner:
     encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
     info = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
     return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(info))
+
+
+def _is_direct_runner(name: str) -> bool:
+    """Whether Beam would read ``name`` as its DirectRunner: any case, with or without the
+    "Runner" suffix, or by its module path (as ``apache_beam.runners.runner.create_runner``)."""
+    module, _, short = name.rpartition(".")
+    if module and module != "apache_beam.runners.direct.direct_runner":
+        return False
+    key = short.lower().removesuffix("runner")
+    return key in ("direct", "switchingdirect")
 
 
 def _count_reasons(letters: Sequence[beam.PCollection]) -> beam.PCollection:
@@ -257,6 +267,9 @@ def run_pipeline(
     options = prepare_run(stage, inputs, output, num_shards, beam_args)
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     started = time.monotonic()
+    # A caller may have frozen the heap already (Airflow's LocalExecutor does before it forks
+    # its workers): then it stays as the caller left it, as thawing is all or nothing.
+    thaw = gc.get_freeze_count() == 0
     try:
         with beam.Pipeline(runner=pipeline_runner(options), options=options) as pipeline:
             _build(pipeline, stage, strategy, config, config_dict, inputs, output, num_shards)
@@ -265,7 +278,8 @@ def run_pipeline(
             # the run need not re-scan it (~200k objects, ~0.5 s of a 12 s stage).
             gc.freeze()
     finally:
-        gc.unfreeze()
+        if thaw:
+            gc.unfreeze()
     manifest = read_manifest(output)
     seconds = time.monotonic() - started
     log_finished(stage, manifest, seconds)

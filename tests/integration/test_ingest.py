@@ -211,6 +211,13 @@ def test_direct_runner_is_the_in_process_fn_api_runner(hostile_inputs, tmp_path,
     assert run.manifest.records_out > 0
     dataflow = PipelineOptions(["--runner=DataflowRunner"])
     assert pipeline_runner(dataflow) == "DataflowRunner"
+    # Every spelling Beam reads as its DirectRunner; nothing else.
+    for name in ("directrunner", "Direct", "apache_beam.runners.direct.direct_runner.DirectRunner"):
+        assert isinstance(
+            pipeline_runner(PipelineOptions([f"--runner={name}"])), fn_runner.FnApiRunner
+        )
+    for name in ("Dataflow", "PrismRunner", "mypackage.DirectRunner"):
+        assert pipeline_runner(PipelineOptions([f"--runner={name}"])) == name
 
 
 def test_heap_frozen_during_the_run_and_at_exit(hostile_inputs, tmp_path, monkeypatch):
@@ -230,6 +237,12 @@ def test_heap_frozen_during_the_run_and_at_exit(hostile_inputs, tmp_path, monkey
         run_stage("ingest", ingest.build, config, inputs, str(tmp_path / "o"), raw_records=True)
         assert frozen_during_run[0] > 1000  # the imported modules, Beam's included
         assert gc.get_freeze_count() == 0
+        # A heap the caller froze stays frozen (Airflow's LocalExecutor freezes before forking).
+        gc.freeze()
+        frozen_before = gc.get_freeze_count()
+        run_stage("ingest", ingest.build, config, inputs, str(tmp_path / "p"), raw_records=True)
+        assert gc.get_freeze_count() >= frozen_before
+        gc.unfreeze()
         made_by_main: list[list[int]] = []
         run_as_command(lambda: made_by_main.extend([i] for i in range(10_000)))
         assert gc.get_freeze_count() > 10_000
