@@ -20,6 +20,7 @@ the same bytes downstream.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import heapq
 import itertools
 import os
@@ -44,6 +45,11 @@ GROUP_PARTITIONS = 16  # key ranges of ``GroupByKey``: merged in parallel on a m
 _LOCAL_RUNNERS = {"SwitchingDirectRunner", "DirectRunner", "BundleBasedDirectRunner", "FnApiRunner"}
 
 
+_PREFIX = "slipway-spill-"
+OWNER = "OWNER"  # in each spill directory: locked by the process that made it
+_HELD: list[Any] = []  # the owner files' handles, open (so locked) until the process exits
+
+
 def runs_locally(pipeline: beam.Pipeline) -> bool:
     """True when ``pipeline`` runs on a direct runner (every worker on this machine)."""
     return type(pipeline.runner).__name__ in _LOCAL_RUNNERS
@@ -51,12 +57,45 @@ def runs_locally(pipeline: beam.Pipeline) -> bool:
 
 def spill_directory(label: str) -> str:
     """A fresh directory for one transform's runs (``label``: its name, for whoever looks in
-    ``TMPDIR``), removed when this process exits (the
-    in-process runner's workers are this process; consumers delete runs as they merge them)."""
+    ``TMPDIR``), removed when this process exits (the in-process runner's workers are this
+    process; consumers delete runs as they merge them).
+
+    A process that is killed cannot remove its directories, so each holds an ``flock`` on its
+    ``OWNER`` file for as long as the process (or a forked worker) lives, and every new one
+    first removes the directories whose lock nobody holds any more.
+    """
+    remove_abandoned(tempfile.gettempdir())
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)
-    directory = tempfile.mkdtemp(prefix=f"slipway-spill-{safe}-")
+    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{safe}-")
+    # Locked before it gets its name: a sweeper never sees an owner file that is not held.
+    pending = os.path.join(directory, OWNER + ".new")
+    handle = open(pending, "w")  # noqa: SIM115 - held open (and locked) until exit
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(pending, os.path.join(directory, OWNER))
+    _HELD.append(handle)
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return directory
+
+
+def remove_abandoned(parent: str) -> list[str]:
+    """Remove the spill directories under ``parent`` whose owner lock is free (their process
+    was killed); returns them. Directories without an owner file are left alone."""
+    removed = []
+    for entry in os.scandir(parent):
+        if not entry.name.startswith(_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            handle = open(os.path.join(entry.path, OWNER))  # noqa: SIM115 - closed below
+        except OSError:
+            continue  # no owner file: not ours to judge
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live process holds it
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
 
 
 def write_run(path: str, entries: Iterable[Any]) -> None:

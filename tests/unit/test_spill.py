@@ -4,7 +4,12 @@ with bounded buffers (tiny runs here, so every shuffle is many runs), and no run
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -149,3 +154,41 @@ def test_spilled_co_group_by_key_gives_beams_groups(tiny_runs):
         )
     _, runs = tiny_runs
     assert len(runs) > 10
+
+
+_HOLDER = """
+import sys, time
+from pipelines import spill
+print(spill.spill_directory(sys.argv[1]), flush=True)
+time.sleep(120)
+"""
+
+
+def test_directories_of_killed_processes_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
+    """A killed process cannot clean up its spill directories; the next one made removes
+    them, by their free owner lock, and leaves a live process's and foreign ones alone."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, label], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for label in ("killed", "alive")
+    ]
+    try:
+        killed, alive = (Path(h.stdout.readline().strip()) for h in holders)
+        assert killed.parent == alive.parent == tmp_path
+        (killed / "00000-run.run").write_bytes(b"left behind")
+        foreign = tmp_path / "slipway-spill-made-by-hand"
+        foreign.mkdir()
+        holders[0].send_signal(signal.SIGKILL)
+        holders[0].wait()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        fresh = Path(spill.spill_directory("next"))
+        assert not killed.exists()
+        assert alive.is_dir() and foreign.is_dir() and (fresh / spill.OWNER).is_file()
+        assert spill.remove_abandoned(str(tmp_path)) == []  # ours is held by this process
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert spill.remove_abandoned(str(tmp_path)) == [str(alive)]
