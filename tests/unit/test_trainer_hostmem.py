@@ -24,7 +24,7 @@ def step(x):
 
 x = jnp.ones((1 << 24,), jnp.float32)
 faulted = []
-for _ in range(30):
+for _ in range(50):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = step(x)
     x.block_until_ready()
@@ -47,8 +47,8 @@ def test_step_temporaries_stop_faulting_in_fresh_pages():
     # without the settings every step maps its temporaries afresh (the control: what the
     # settings are for, and proof that the probe measures it)
     assert min(plain["mib_faulted"][-10:]) > 64, plain
-    # with them the heap settles (within 8-16 steps here, later on a loaded machine), then
-    # steps reuse warm memory
+    # with them the heap settles (within 8-16 steps here; under load it has taken 25+, as
+    # threads' allocations interleave differently while it grows), then steps reuse warm memory
     assert tuned["warm"] is True
     settled = [mib < 8 for mib in tuned["mib_faulted"][-10:]]
     assert sum(settled) >= 7 and settled[-1], tuned
