@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import heapq
 import itertools
 import os
@@ -62,9 +63,9 @@ def spill_directory(label: str) -> str:
 
     A process that is killed cannot remove its directories, so each holds an ``flock`` on its
     ``OWNER`` file for as long as the process (or a forked worker) lives, and every new one
-    first removes the directories whose lock nobody holds any more.
+    first (once per process) removes the directories whose lock nobody holds any more.
     """
-    remove_abandoned(tempfile.gettempdir())
+    _remove_abandoned_once(tempfile.gettempdir())
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", label)
     directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{safe}-")
     # Locked before it gets its name: a sweeper never sees an owner file that is not held.
@@ -75,6 +76,12 @@ def spill_directory(label: str) -> str:
     _HELD.append(handle)
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return directory
+
+
+@functools.cache
+def _remove_abandoned_once(parent: str) -> None:
+    # Once per process and directory: a stage makes a dozen spill directories while it builds.
+    remove_abandoned(parent)
 
 
 def remove_abandoned(parent: str) -> list[str]:

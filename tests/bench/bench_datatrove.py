@@ -19,7 +19,7 @@ Every stage, on both sides, runs on that one set of documents (not chained), so 
 compares the same work.
 
 **Running.** Each side of each stage is one child process, timed from the outside (wall
-seconds, interpreter start-up and imports included: ~3 s for Beam, ~0.5 s for DataTrove) and by
+seconds, interpreter start-up and imports included: ~1.3 s for Beam, ~0.5 s for DataTrove) and by
 its own clock ("stage s": ours the stage's log line, i.e. pipeline build + run; DataTrove's the
 executors' runs); peak MB is the child's ``VmHWM`` at exit (its peak resident memory; not
 ``ru_maxrss`` from ``os.wait4``, which on Linux includes the forking parent's RSS). Ours: ``python -m

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
+from apache_beam.runners.direct import direct_runner
 from apache_beam.runners.portability.fn_api_runner import fn_runner
 
 from pipelines import ingest
@@ -184,7 +185,6 @@ def test_same_input_same_bytes_in_process_and_multi_processing(hostile_inputs, t
 def test_direct_runner_is_the_in_process_fn_api_runner(hostile_inputs, tmp_path, monkeypatch):
     """``--runner=DirectRunner`` runs on Beam's FnApiRunner, never through Beam's switching
     DirectRunner (which would first try to fetch and run Prism); other runners pass by name."""
-    from apache_beam.runners.direct import direct_runner
 
     def refuse(*args, **kwargs):
         raise AssertionError("the stage went through Beam's switching DirectRunner")
