@@ -12,23 +12,24 @@ One code path from one CPU to a multislice TPU job: the mesh always has the axes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import ParamSpec, TypeVar
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.config import DistributedConfig, MeshConfig
+from trainer.mesh_axes import AXES, BATCH_AXES, HEAD_AXIS
 from trainer.model import PARAM_AXES
 from trainer.optim import leaf_name
 
-AXES = ("replica", "data", "fsdp", "tensor")
-BATCH_AXES = ("replica", "data", "fsdp")
 LOGICAL_TO_MESH = {
     "embed": "fsdp",
-    "heads": "tensor",
+    "heads": HEAD_AXIS,
     "mlp": "tensor",
     "vocab": "tensor",
     "expert": None,
@@ -187,3 +188,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def on_mesh(fn: Callable[P, R], mesh: Mesh) -> Callable[P, R]:
+    """``fn``, traced with ``mesh`` as JAX's abstract mesh: what ``jax.jit`` of a step over
+    ``mesh`` wraps. Kernels that XLA cannot partition (Pallas on TPU) find the mesh there and
+    run per device inside a ``shard_map`` (``kernels.per_device``); everything else is
+    partitioned from the arrays' shardings as before."""
+
+    @functools.wraps(fn)
+    def traced(*args: P.args, **kwargs: P.kwargs) -> R:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced

@@ -89,7 +89,7 @@ def evaluate_store(
     weight_sharding = dist.NamedSharding(mesh, dist.PartitionSpec(dist.BATCH_AXES))
     chunk = loss_chunk(seq_len, batch_size // dist.data_parallel_size(mesh), store.vocab_size)
     step = jax.jit(
-        lambda p, r, b, w: _eval_step(p, r, b, w, dtype=dtype, chunk=chunk),
+        dist.on_mesh(lambda p, r, b, w: _eval_step(p, r, b, w, dtype=dtype, chunk=chunk), mesh),
         in_shardings=(shardings, bias_sharding, row_sharding, weight_sharding),
     )
     documents = jit_document_batch(store.eos_id, row_sharding)

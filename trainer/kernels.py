@@ -13,9 +13,10 @@ plain ``jnp`` with autodiff, packed documents included):
   ``xla``      ``jax.nn.dot_product_attention`` (XLA's fused attention, any backend);
   ``cudnn``    the same with cuDNN's flash attention (GPU, bf16/fp16);
   ``splash``   the Pallas splash-attention kernel (TPU; needs the installed JAX's
-               ``jax.experimental.pallas.ops.tpu.splash_attention``);
-  ``auto``     ``blocked`` on CPU, ``cudnn`` on GPU for 16-bit inputs (else ``xla``), ``xla``
-               on TPU (``splash`` is opt-in: see :func:`splash_attention`);
+               ``jax.experimental.pallas.ops.tpu.splash_attention``), per device under a
+               mesh (:func:`per_device`);
+  ``auto``     ``blocked`` on CPU, ``cudnn`` on GPU for 16-bit inputs (else ``xla``),
+               ``splash`` on TPU for sequences of a multiple of 128 (else ``xla``);
 
 - ``fused_cross_entropy`` / ``token_nll``: the output projection and softmax cross-entropy,
   chunked along the sequence so no (B, S, V) logits tensor exists.
@@ -25,11 +26,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jax.sharding import PartitionSpec
+
+from trainer.mesh_axes import BATCH_AXES, HEAD_AXIS
 
 AttentionImpl = Literal["auto", "blocked", "xla", "cudnn", "splash"]
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "blocked", "xla", "cudnn", "splash")
@@ -309,8 +314,11 @@ block_causal_attention.defvjp(_attention_fwd, _attention_bwd)
 # attention: one entry point, several implementations
 
 
-def resolve_attention(implementation: str, dtype: jnp.dtype, backend: str | None = None) -> str:
-    """The implementation ``auto`` stands for on ``backend`` (default: JAX's) for ``dtype``."""
+def resolve_attention(
+    implementation: str, dtype: jnp.dtype, backend: str | None = None, seq_len: int | None = None
+) -> str:
+    """The implementation ``auto`` stands for on ``backend`` (default: JAX's) for ``dtype`` and
+    sequences of ``seq_len`` (splash's tiles need a multiple of ``SPLASH_MIN_BLOCK``)."""
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"attention implementation {implementation!r}: one of {ATTENTION_IMPLEMENTATIONS}"
@@ -322,6 +330,8 @@ def resolve_attention(implementation: str, dtype: jnp.dtype, backend: str | None
         return "blocked"
     if backend in ("gpu", "cuda", "rocm"):
         return "cudnn" if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+    if backend == "tpu" and seq_len is not None and seq_len % SPLASH_MIN_BLOCK == 0:
+        return "splash"
     return "xla"
 
 
@@ -332,7 +342,7 @@ def attention(q: Array, k: Array, v: Array, segments: Array, implementation: str
     ids of packed sequences (a query sees keys at or before it in the same document)
     -> (B, S, H, hd). Scores and softmax in float32 on every path.
     """
-    impl = resolve_attention(implementation, q.dtype)
+    impl = resolve_attention(implementation, q.dtype, seq_len=q.shape[1])
     if impl == "blocked":
         b, s, h, hd = q.shape
         kh = k.shape[2]
@@ -355,6 +365,7 @@ def attention(q: Array, k: Array, v: Array, segments: Array, implementation: str
 # head_dim 128, 1.4b's attention, compiles and runs with it too); split sizes (1024 forward,
 # 512 backward or the reverse) were slower on the 150m step than 1024 for both.
 SPLASH_BLOCK: int | None = 1024
+SPLASH_MIN_BLOCK = 128  # the smallest tile: ``auto`` picks splash for multiples of it
 SPLASH_FUSED_BWD = True  # one backward kernel for dq, dk and dv instead of two
 # q, k and v handed to the kernel sequence-minor, (heads, hd, S). Head-dim-minor, a head_dim of
 # 64 is padded to the TPU tile's 128 lanes, and the arrays around the kernel (rotary's halves,
@@ -364,13 +375,15 @@ SPLASH_FUSED_BWD = True  # one backward kernel for dq, dk and dv instead of two
 SPLASH_SEQ_MINOR = True
 
 
-def _splash_block_sizes(sa, s: int):
-    """``BlockSizes`` of ``SPLASH_BLOCK`` (halved until it divides ``s``; 128 at least) and
-    ``SPLASH_SEQ_MINOR``'s layouts."""
+def _splash_block_sizes(sa, s: int, itemsize: int = 2):
+    """``BlockSizes`` of ``SPLASH_BLOCK`` (halved for 4-byte inputs, then until it divides
+    ``s``; 128 at least) and ``SPLASH_SEQ_MINOR``'s layouts."""
     if SPLASH_BLOCK is None:
         return None
-    blk = min(SPLASH_BLOCK, s)
-    while s % blk and blk > 128:
+    # float32 tiles of 1024 overflow the v5e's 16 MiB of scoped VMEM in the fused backward
+    # kernel (17.2 MiB at head_dim 64); 512 fits.
+    blk = min(SPLASH_BLOCK if itemsize <= 2 else SPLASH_BLOCK // 2, s)
+    while s % blk and blk > SPLASH_MIN_BLOCK:
         blk //= 2
     fused = SPLASH_FUSED_BWD
     layout = sa.QKVLayout.SEQ_MINOR if SPLASH_SEQ_MINOR else sa.QKVLayout.HEAD_DIM_MINOR
@@ -390,13 +403,47 @@ def _splash_block_sizes(sa, s: int):
     )
 
 
+def per_device(
+    local: Callable[[Array, Array, Array, Array], Array],
+    q: Array,
+    k: Array,
+    v: Array,
+    segments: Array,
+) -> Array:
+    """``local(q, k, v, segments)`` on each device's block of the arrays, as one ``shard_map``
+    over the mesh being traced (``distributed.on_mesh``); called directly without one.
+
+    Shapes as :func:`attention`. Each device gets its rows of the batch (split over
+    ``BATCH_AXES``, as the batch is) and, where ``HEAD_AXIS`` divides both head counts, its
+    heads (query head ``i`` of a block still maps to kv head ``i // (H // K)`` of the block).
+    XLA cannot partition a Pallas (Mosaic) call, so under a multi-device jit one must run on
+    per-device blocks; ``local`` sees (B / data-parallel size, S, heads per device, hd).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q, k, v, segments)
+    batch = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    tensor = mesh.shape.get(HEAD_AXIS, 1)
+    heads = HEAD_AXIS if q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
+    rows = PartitionSpec(batch, None, heads, None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, PartitionSpec(batch, None)),
+        out_specs=rows,
+        # The kernel's output does not vary along axes its inputs are not split over (a
+        # tensor axis that does not divide the heads); Pallas calls carry no such typing.
+        check_vma=False,
+    )(q, k, v, segments)
+
+
 def splash_attention(q: Array, k: Array, v: Array, segments: Array) -> Array:
     """The Pallas splash-attention kernel (TPU), per example: causal mask, segment ids for the
     packed documents, grouped-query heads. Shapes as :func:`attention`.
 
-    Runs where ``pallas_call`` runs on TPU (one device, or inside ``shard_map``); it has not
-    been run on this project's CI machines, which have no TPU: :func:`resolve_attention` never
-    picks it by itself, a run asks for it with ``model.attention=splash``.
+    Under a mesh (``distributed.on_mesh``: the train, evaluation and scoring steps) it runs
+    per device (:func:`per_device`), so multi-chip slices can use it. CI has no TPU: there the
+    tests run it with Pallas' interpreter (docs/benchmarks.md has the v5e's figures).
     """
     try:
         from jax.experimental.pallas.ops.tpu import splash_attention as sa
@@ -406,23 +453,33 @@ def splash_attention(q: Array, k: Array, v: Array, segments: Array) -> Array:
         raise RuntimeError(
             f"attention=splash runs on TPU only (backend {jax.default_backend()!r}): use auto"
         )
-    _, s, h, hd = q.shape
-    mask = sa.MultiHeadMask([sa.CausalMask((s, s)) for _ in range(h)])
-    kernel = sa.make_splash_mha(
-        mask, head_shards=1, q_seq_shards=1, block_sizes=_splash_block_sizes(sa, s)
-    )
-    g = h // k.shape[2]
-    kx = jnp.repeat(k, g, axis=2) if g > 1 else k  # the MHA kernel: one kv head per query head
-    vx = jnp.repeat(v, g, axis=2) if g > 1 else v
-    scaled = q * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)  # the kernel does not scale
 
-    def one(qe: Array, ke: Array, ve: Array, seg: Array) -> Array:  # (S, H, hd) each
-        out = kernel(
-            qe.swapaxes(0, 1), ke.swapaxes(0, 1), ve.swapaxes(0, 1), sa.SegmentIds(q=seg, kv=seg)
+    def local(q: Array, k: Array, v: Array, segments: Array) -> Array:
+        _, s, h, hd = q.shape
+        mask = sa.MultiHeadMask([sa.CausalMask((s, s)) for _ in range(h)])
+        kernel = sa.make_splash_mha(
+            mask,
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=_splash_block_sizes(sa, s, q.dtype.itemsize),
         )
-        return out.swapaxes(0, 1)
+        g = h // k.shape[2]
+        kx = jnp.repeat(k, g, axis=2) if g > 1 else k  # the MHA kernel: one kv head per query head
+        vx = jnp.repeat(v, g, axis=2) if g > 1 else v
+        scaled = q * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)  # the kernel does not scale
 
-    return jax.vmap(one)(scaled, kx, vx, segments.astype(jnp.int32))
+        def one(qe: Array, ke: Array, ve: Array, seg: Array) -> Array:  # (S, H, hd) each
+            out = kernel(
+                qe.swapaxes(0, 1),
+                ke.swapaxes(0, 1),
+                ve.swapaxes(0, 1),
+                sa.SegmentIds(q=seg, kv=seg),
+            )
+            return out.swapaxes(0, 1)
+
+        return jax.vmap(one)(scaled, kx, vx, segments.astype(jnp.int32))
+
+    return per_device(local, q, k, v, segments)
 
 
 # ---------------------------------------------------------------------------------------------

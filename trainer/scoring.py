@@ -118,7 +118,7 @@ class Scorer:
         self.batch_size, self.max_len, self.fixed_length = batch_size, max_len, fixed_length
         self._rows = dist.batch_sharding(mesh)
         self._step = jax.jit(
-            lambda p, r, t, y: _token_scores(p, r, t, y, dtype=dtype),
+            dist.on_mesh(lambda p, r, t, y: _token_scores(p, r, t, y, dtype=dtype), mesh),
             in_shardings=(shardings, dist.replicated(mesh), self._rows, self._rows),
             out_shardings=dist.replicated(mesh),
         )

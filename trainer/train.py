@@ -240,7 +240,7 @@ def setup(cfg: TrainConfig) -> Run:
             state = checkpointer.restore(latest, target)
             start = latest
     step_fn = jax.jit(
-        make_train_step(cfg, mcfg, tx, dp),
+        dist.on_mesh(make_train_step(cfg, mcfg, tx, dp), mesh),
         in_shardings=(shardings, dist.batch_sharding(mesh)),
         out_shardings=(shardings, dist.replicated(mesh)),
         donate_argnums=0,

@@ -3,7 +3,8 @@
 - tensor parallelism (heads / MLP / vocabulary split over ``tensor``), alone and with FSDP;
 - a multislice job simulated on CPU: 2 processes as 2 slices (the JobSet's ``MEGASCALE_*``
   environment, ``distributed.mode: auto``) of 2 devices each, ``replica`` across the slices;
-- evaluation of the reference checkpoint by 2 processes (parameters sharded across them).
+- evaluation of the reference checkpoint by 2 processes (parameters sharded across them);
+- splash attention (Pallas' interpreter on CPU devices) under a mesh, per device.
 
 Each layout must reproduce the reference loss curve (and the evaluation its metrics) within
 floating-point tolerance. Sequences of 256 tokens give two 128-token query blocks, so the
@@ -196,3 +197,32 @@ def test_two_process_evaluation_matches_one_process(store, reference, tmp_path):
     # both processes report the same numbers (only process 0 writes the file)
     printed = [json.loads(o[o.index("{") :]) for o in outs[1:]]
     assert printed[0]["results"][0]["loss"] == printed[1]["results"][0]["loss"] == b["loss"]
+
+
+def test_splash_attention_runs_per_device_under_a_mesh():
+    """XLA cannot partition a Pallas call, so on a multi-chip slice splash must run inside a
+    ``shard_map``: ``distributed.on_mesh`` gives the traced step its mesh and
+    ``kernels.per_device`` splits q, k and v by rows of the batch and, where the tensor axis
+    divides both head counts, by heads. Forward and gradients match the blocked attention
+    on one device (tests/support/splash_on_mesh.py)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.support.splash_on_mesh"],
+        env=_env(4),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    local = {(tuple(r["mesh"].items()), r["kv_heads"]): r["local_qkv"] for r in rows}
+    b, s, h, hd = 4, 256, 4, 64
+    half, quarter = [b // 2, s], [b // 4, s]
+    assert local == {  # q, k, v per device
+        ((("data", 2), ("tensor", 2)), 2): [[*half, h // 2, hd], [*half, 1, hd], [*half, 1, hd]],
+        ((("fsdp", 4),), 2): [[*quarter, h, hd], [*quarter, 2, hd], [*quarter, 2, hd]],
+        ((("data", 2), ("tensor", 2)), 1): [[*half, h, hd], [*half, 1, hd], [*half, 1, hd]],
+    }
+    for r in rows:
+        assert r["shard_maps"] == 2, r  # the forward and the backward each run per device
+        assert r["masks"] == [[r["local_qkv"][0][2], s, s]] * 2, r
+        assert r["worst"] < 1e-4, r

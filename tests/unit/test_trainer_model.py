@@ -312,6 +312,9 @@ def test_splash_attention_matches_blocked_in_interpret_mode(monkeypatch, kv_head
         got = run("splash")
     blk = kernels._splash_block_sizes(sa, s)
     assert blk.block_q == s and blk.q_layout == sa.QKVLayout.SEQ_MINOR  # 1024 halved to fit
+    # 1024 tiles for 16-bit inputs; float32's overflow the v5e's scoped VMEM, so 512
+    assert kernels._splash_block_sizes(sa, 2048, 2).block_kv_dkv == 1024
+    assert kernels._splash_block_sizes(sa, 2048, 4).block_kv_dkv == 512
     for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(r))))
 
@@ -387,6 +390,9 @@ def test_attention_switch_names_and_refusals():
     assert kernels.resolve_attention("auto", jnp.float32, "cpu") == "blocked"
     assert kernels.resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
     assert kernels.resolve_attention("auto", jnp.float32, "gpu") == "xla"
+    assert kernels.resolve_attention("auto", jnp.bfloat16, "tpu", seq_len=2048) == "splash"
+    assert kernels.resolve_attention("auto", jnp.float32, "tpu", seq_len=384) == "splash"
+    assert kernels.resolve_attention("auto", jnp.bfloat16, "tpu", seq_len=100) == "xla"
     assert kernels.resolve_attention("auto", jnp.bfloat16, "tpu") == "xla"
     assert kernels.resolve_attention("splash", jnp.bfloat16, "cpu") == "splash"
     with pytest.raises(ValueError, match="'flash': one of"):

@@ -1,0 +1,107 @@
+"""Splash attention under a device mesh, run by Pallas' interpreter on CPU devices: what
+``tests/integration/test_trainer_parallel.py`` checks in a process of its own (the device count
+is fixed when JAX starts).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.support.splash_on_mesh
+
+For each mesh layout, the splash path (``kernels.attention(..., "splash")``, jitted through
+``distributed.on_mesh`` over batch-sharded inputs, as the train step is) and the blocked
+attention on one device, forward and gradients; prints one JSON line per layout with the
+largest relative difference, the masks the kernels were built for and the per-device shapes
+of q, k and v inside the forward ``shard_map``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.sharding import NamedSharding, PartitionSpec
+
+import trainer.distributed as dist
+import trainer.kernels as kernels
+from trainer.config import MeshConfig
+from trainer.model import segments_and_positions
+
+LAYOUTS = [
+    # (mesh, query heads, kv heads)
+    ({"data": 2, "tensor": 2}, 4, 2),  # heads split over tensor
+    ({"fsdp": 4}, 4, 2),  # batch only
+    ({"data": 2, "tensor": 2}, 4, 1),  # one kv head: heads stay whole on each device
+]
+
+
+def check(axes: dict[str, int], h: int, kv_heads: int) -> dict:
+    b, s, hd = 4, 256, 64
+    keys = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(keys[0], (b, s, h, hd))
+    k, v = (jax.random.normal(kk, (b, s, kv_heads, hd)) for kk in keys[1:3])
+    ct = jax.random.normal(keys[3], (b, s, h, hd))
+    toks = jax.random.randint(jax.random.key(4), (b, s), 1, 20).at[:, ::37].set(0)
+    seg, _ = segments_and_positions(toks, 0)
+
+    def loss(impl: str):
+        def f(q, k, v, seg):
+            return jnp.sum(kernels.attention(q, k, v, seg, impl) * ct)
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2))
+
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(loss("blocked"))(q, k, v, seg)
+        mesh = dist.make_mesh(
+            MeshConfig(**{"replica": 1, "data": 1, "fsdp": 1, "tensor": 1, **axes})
+        )
+        rows = dist.batch_sharding(mesh)
+        heads = NamedSharding(mesh, PartitionSpec(dist.BATCH_AXES, None, "tensor", None))
+        seen: list[tuple[int, ...]] = []
+        real_make = sa.make_splash_mha
+
+        def make(mask, **kwargs):
+            seen.append(mask.shape)  # (heads, S, S) of the block the kernel is built for
+            return real_make(mask, interpret=True, **kwargs)
+
+        sa.make_splash_mha = make
+        try:
+            step = jax.jit(
+                dist.on_mesh(loss("splash"), mesh),
+                # q arrives split over heads, as the projections leave it; with one kv head
+                # the kernel's blocks need whole heads, so the shard_map gathers them
+                in_shardings=(heads, rows, rows, rows),
+            )
+            got = step(q, k, v, seg)
+            traced = jax.make_jaxpr(dist.on_mesh(loss("splash"), mesh))(q, k, v, seg)
+        finally:
+            sa.make_splash_mha = real_make
+    worst = max(
+        float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r)))
+        for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), strict=True)
+    )
+    maps = [eqn for eqn in traced.jaxpr.eqns if eqn.primitive.name == "shard_map"]
+    # the forward's q, k and v as each device sees them (the kernel's constants come first)
+    local = [list(var.aval.shape) for var in maps[0].params["jaxpr"].invars if var.aval.ndim == 4]
+    return {
+        "mesh": axes,
+        "heads": h,
+        "kv_heads": kv_heads,
+        "worst": worst,
+        "masks": [list(shape) for shape in seen],
+        "shard_maps": len(maps),
+        "local_qkv": local,
+    }
+
+
+def main() -> None:
+    real_backend = jax.default_backend
+    jax.default_backend = lambda: "tpu"  # splash refuses other backends; the interpreter runs it
+    try:
+        assert real_backend() == "cpu" and len(jax.devices()) == 4, jax.devices()
+        for layout in LAYOUTS:
+            print(json.dumps(check(*layout)), flush=True)
+    finally:
+        jax.default_backend = real_backend
+
+
+if __name__ == "__main__":
+    main()
