@@ -53,7 +53,7 @@ from pipelines.stage import (
     run_as_command,
     stage_main,
 )
-from pipelines.text import dedup_key_text, line_spans, paragraph_spans
+from pipelines.text import dedup_key_text, line_spans, paragraph_spans, span_dedup_keys
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +166,10 @@ def paragraph_occurrences(doc: Document, config: ExactDedupConfig) -> Iterator[A
         found = []
         key = document_key(doc)
         text = doc["text"]
-        for start, end in unit_spans(text, config.paragraph_unit):
-            normalized = dedup_key_text(text[start:end])
-            if normalized and normalized.count(" ") + 1 >= config.min_paragraph_words:
-                digest = xxhash.xxh3_128_hexdigest(normalized.encode("utf-8", "surrogatepass"))
+        spans = unit_spans(text, config.paragraph_unit)
+        for (start, end), normalized in zip(spans, span_dedup_keys(text, spans), strict=True):
+            if normalized and normalized.count(b" ") + 1 >= config.min_paragraph_words:
+                digest = xxhash.xxh3_128_hexdigest(normalized)
                 found.append((digest, (key, start, end)))
     except Exception:  # one bad record must never take the pipeline down
         log.exception("paragraph scan failed for %r", doc.get("id"))

@@ -57,25 +57,19 @@ def dedup_key_text(text: str) -> str:
 # --- spans and n-gram hashing (used by quality, exact dedup and decontamination) -------------
 
 
-def line_spans(text: str) -> list[tuple[int, int]]:
-    """``[start, end)`` spans of the non-blank lines of ``text``, surrounding blanks excluded.
+# A line's text without its surrounding whitespace: a non-space, then the rest of its line up
+# to its last non-space. ``\s`` is ``str.isspace`` (both are ``Py_UNICODE_ISSPACE``), so these
+# are ``line.strip()``'s bounds; only newlines separate lines.
+_LINE = re.compile(r"\S(?:[^\n]*\S)?")
+# A paragraph: such lines joined while one newline (and no blank line) lies between them. The
+# possessive separators make a failed join give up at once instead of re-splitting whitespace.
+_PARAGRAPH = re.compile(r"\S(?:[^\n]*\S)?(?:[^\S\n]*+\n[^\S\n]*+\S(?:[^\n]*\S)?)*+")
 
-    A single left-to-right scan: linear in the text, whatever its shape.
-    """
-    spans: list[tuple[int, int]] = []
-    start = 0
-    size = len(text)
-    while start <= size:
-        end = text.find("\n", start)
-        if end < 0:
-            end = size
-        line = text[start:end]
-        stripped = line.strip()
-        if stripped:
-            left = start + (len(line) - len(line.lstrip()))
-            spans.append((left, left + len(stripped)))
-        start = end + 1
-    return spans
+
+def line_spans(text: str) -> list[tuple[int, int]]:
+    """``[start, end)`` spans of the non-blank lines of ``text`` (lines end at newlines only),
+    each without its leading and trailing whitespace. Linear in the text, whatever its shape."""
+    return [match.span() for match in _LINE.finditer(text)]
 
 
 def paragraph_spans(
@@ -87,9 +81,11 @@ def paragraph_spans(
     non-blank character of its last line, so the spans never include the separators.
     ``lines`` may pass ``line_spans(text)`` when the caller already has it.
     """
+    if lines is None:
+        return [match.span() for match in _PARAGRAPH.finditer(text)]
     spans: list[tuple[int, int]] = []
     previous_end = -1
-    for start, end in line_spans(text) if lines is None else lines:
+    for start, end in lines:
         # Consecutive lines belong together unless a blank line (two newlines) lies between.
         if spans and text.count("\n", previous_end, start) < 2:
             spans[-1] = (spans[-1][0], end)
@@ -97,6 +93,15 @@ def paragraph_spans(
             spans.append((start, end))
         previous_end = end
     return spans
+
+
+def span_dedup_keys(text: str, spans: Sequence[tuple[int, int]]) -> list[bytes]:
+    """``dedup_key_text(text[start:end])`` in UTF-8 for each span; an ASCII text is lowered and
+    translated once for all its spans."""
+    if not text.isascii():
+        return [dedup_key_text(text[s:e]).encode("utf-8", "surrogatepass") for s, e in spans]
+    spaced = spaced_words(text)  # one byte per character: spans index it as they index text
+    return [b" ".join(spaced[s:e].split()) for s, e in spans]
 
 
 # Multiplier of the polynomial n-gram hash: an odd 64-bit constant (from splitmix64), so each

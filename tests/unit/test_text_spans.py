@@ -16,6 +16,7 @@ from pipelines.text import (
     paragraph_spans,
     sorted_unique,
     spaced_words,
+    span_dedup_keys,
     token_hashes,
     words,
 )
@@ -39,6 +40,69 @@ def test_lines_and_paragraphs():
         "last",
     ]
     assert paragraph_spans("") == [] and line_spans("\n\n") == []
+
+
+def stripped_lines(text: str) -> list[tuple[int, int]]:
+    """The definition: split at newlines, each line's ``strip()`` bounds, blank lines skipped."""
+    spans, start = [], 0
+    for line in text.split("\n"):
+        if line.strip():
+            left = start + len(line) - len(line.lstrip())
+            spans.append((left, left + len(line.strip())))
+        start += len(line) + 1
+    return spans
+
+
+def joined_paragraphs(text: str) -> list[tuple[int, int]]:
+    """The definition: consecutive such lines joined unless a blank line lies between."""
+    spans: list[tuple[int, int]] = []
+    for start, end in stripped_lines(text):
+        if spans and text.count("\n", spans[-1][1], start) < 2:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    return spans
+
+
+# newlines, other whitespace (some of it line-breaking elsewhere), letters, symbols
+ALPHABET = ["\n", "\n", " ", "\t", "\r", "\x0b", "\x0c", "\x1c", "\x85", "\xa0", "\u2028", "\u3000"]
+ALPHABET += ["a", "b", "é", "Z", "7", ".", "—", "\U0001f600"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_line_and_paragraph_spans_follow_their_definitions(seed):
+    rng = random.Random(seed)
+    for _ in range(500):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(40)))
+        assert line_spans(text) == stripped_lines(text), repr(text)
+        assert paragraph_spans(text) == joined_paragraphs(text), repr(text)
+
+
+def test_regex_whitespace_is_str_isspace():
+    """The span patterns' ``\\s`` must mean what ``str.strip`` strips, on every code point."""
+    import re
+
+    space = re.compile(r"\s")
+    assert all(
+        bool(space.match(chr(c))) == chr(c).isspace()
+        for c in range(0x110000)
+        if c < 0xD800 or c > 0xDFFF
+    )
+
+
+def test_span_dedup_keys_equal_each_spans_dedup_key_text():
+    rng = random.Random(5)
+    for text in [
+        "Hello,  World!\n\nThe  END. \tof it\nmore_words 42",
+        "Ünïcode café\n\nplain ascii here\n\nΣίσυφος  writes",
+        *(
+            "".join(rng.choice([*ALPHABET, "x", "y", ",", "_"]) for _ in range(60))
+            for _ in range(300)
+        ),
+    ]:
+        spans = paragraph_spans(text) + line_spans(text)
+        expected = [dedup_key_text(text[s:e]).encode("utf-8") for s, e in spans]
+        assert span_dedup_keys(text, spans) == expected, repr(text)
 
 
 def test_paragraph_spans_accept_precomputed_lines():
