@@ -37,7 +37,8 @@ def jobset_name(kind: str, spec: StepSpec) -> str:
 
 
 class JobSetRunner:
-    """Submit a manifest, stream its logs, watch it, cancel it on kill."""
+    """Submit a manifest, stream its logs, watch it, cancel it on kill. The hook's client is
+    closed when ``run`` returns or raises; a later ``cancel`` (a kill) opens a new one."""
 
     def __init__(
         self, operator: BaseOperator, backend: str, cluster: Mapping[str, Any] | None = None
@@ -76,10 +77,15 @@ class JobSetRunner:
         except BaseException:
             self.cancel()
             raise
+        finally:
+            self.hook.close()
 
     def cancel(self) -> None:
         if self.handle is not None:
-            status = self.hook.cancel(self.handle)
+            try:
+                status = self.hook.cancel(self.handle)
+            finally:
+                self.hook.close()
             self.operator.log.info("JobSet %s cancelled: %s", self.handle.name, status.reason)
 
 

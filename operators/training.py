@@ -298,6 +298,8 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         except BaseException:
             hook.cancel(handle)  # nobody could find it again: no orphan
             raise
+        finally:
+            hook.close()  # the task defers next; a kill before that opens a new client
         return {"handle": handle.to_dict(), "resumed_from": start[0] if start else None}
 
     def _tpu_preflight(self, shape: SliceShape, cluster: Mapping[str, Any]) -> PreflightResult:
@@ -615,4 +617,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             self._jobset.cancel()
         if self._gke is not None:
             hook, handle = self._gke
-            hook.cancel(handle)
+            try:
+                hook.cancel(handle)
+            finally:
+                hook.close()

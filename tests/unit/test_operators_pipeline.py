@@ -354,3 +354,62 @@ def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path):
     assert str(evaluate.state) == "FAILED" and evaluate.properties["closed_by"] == "record"
     assert "without reporting its end" in evaluate.error
     assert str(tokens.state) == "CANCELED" and "Airflow: success" in tokens.error
+
+
+class _RecordingBackend:
+    """A fake JobSet backend (no cluster, no processes): a JobSet that completes on the first
+    poll, or whose poll fails; records the calls."""
+
+    name = "fake"
+
+    def __init__(self, calls: list[str], poll_fails: bool = False) -> None:
+        self.calls, self.poll_fails = calls, poll_fails
+
+    def submit(self, manifest):
+        from operators.jobset import JobSetHandle
+
+        self.calls.append("submit")
+        return JobSetHandle("fake", "ns", manifest["metadata"]["name"], "uid-1")
+
+    def poll(self, handle):
+        from operators.jobset.backend import JobSetStatus
+
+        self.calls.append("poll")
+        if self.poll_fails:
+            raise ConnectionError("API went away")
+        return JobSetStatus(handle, terminal_state="Completed", reason="AllJobsCompleted")
+
+    def cancel(self, handle):
+        from operators.jobset.backend import JobSetStatus
+
+        self.calls.append("cancel")
+        return JobSetStatus(handle, terminal_state="Failed", reason="Cancelled")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+@pytest.mark.parametrize("poll_fails", [False, True])
+def test_jobset_runner_closes_its_client_when_the_run_ends(poll_fails):
+    """The hook's client (a Kubernetes API client on gke) is released when ``run`` returns or
+    raises, after the cancel on failure; a later ``cancel`` (a kill) opens and closes its own."""
+    import logging
+    from types import SimpleNamespace
+
+    from operators.launching import JobSetRunner
+
+    calls: list[str] = []
+    runner = JobSetRunner(SimpleNamespace(log=logging.getLogger("test")), "local")
+    runner.hook._build = lambda: _RecordingBackend(calls, poll_fails)
+    manifest = {"metadata": {"name": "slipway-eval-0123abcd"}}
+    if poll_fails:
+        with pytest.raises(ConnectionError):
+            runner.run(manifest)
+        assert calls == ["submit", "poll", "cancel", "close"]
+    else:
+        assert runner.run(manifest).reason == "AllJobsCompleted"
+        assert calls == ["submit", "poll", "close"]
+    assert runner.hook._conn is None
+    calls.clear()
+    runner.cancel()
+    assert calls == ["cancel", "close"] and runner.hook._conn is None
