@@ -58,14 +58,20 @@ def _store() -> Any:
         return None
 
 
-def _belongs_to(execution: Any, task_id: str, try_number: int | None) -> bool:
+def _belongs_to(
+    execution: Any, task_id: str, try_number: int | None, map_index: int | None = None
+) -> bool:
     """An execution is the task's when ``properties.task_id`` (else its name) is the task id.
 
     Steps record the task's try number: an execution of another try (a newer one, already
-    running after a clear) is left alone.
+    running after a clear) is left alone. Steps of a mapped task record its map index: a
+    sibling's execution (another sweep cell, still running) is left alone too.
     """
     props = execution.properties or {}
     if props.get("task_id", execution.name) != task_id:
+        return False
+    recorded_map = props.get("map_index")
+    if recorded_map is not None and map_index is not None and recorded_map != map_index:
         return False
     recorded = props.get("try_number")
     return recorded is None or try_number is None or recorded == try_number
@@ -77,8 +83,10 @@ def close_task_executions(
     try_number: int | None,
     state: str,
     reason: str,
+    map_index: int | None = None,
 ) -> list[int]:
-    """Close the task's RUNNING executions in ``run_id`` with ``state``; returns their ids.
+    """Close the task's RUNNING executions in ``run_id`` with ``state`` (of one mapped task
+    instance when ``map_index`` is given); returns their ids.
 
     An execution that ends itself between the read and the write keeps its own state.
     """
@@ -94,7 +102,7 @@ def close_task_executions(
         closed = []
         running = store.executions(run_id, state=ExecutionState.RUNNING)
         for ex in running:
-            if _belongs_to(ex, task_id, try_number) and store.finish_execution(
+            if _belongs_to(ex, task_id, try_number, map_index) and store.finish_execution(
                 ex.id,
                 state,
                 error=reason,
@@ -119,12 +127,17 @@ def close_task_executions(
         store.close()
 
 
-def _ti_fields(task_instance: Any) -> tuple[str | None, str | None, int | None]:
+def _ti_fields(
+    task_instance: Any,
+) -> tuple[str | None, str | None, int | None, int | None]:
+    """Run id, task id, try number, and map index (None for a task that is not mapped)."""
     try_number = getattr(task_instance, "try_number", None)
+    map_index = getattr(task_instance, "map_index", None)
     return (
         getattr(task_instance, "run_id", None),
         getattr(task_instance, "task_id", None),
         try_number if isinstance(try_number, int) else None,
+        map_index if isinstance(map_index, int) and map_index >= 0 else None,
     )
 
 
@@ -170,7 +183,7 @@ def _describe(error: Any) -> str:
 def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Any) -> None:
     from operators.lineage import ExecutionState
 
-    run_id, task_id, try_number = _ti_fields(task_instance)
+    run_id, task_id, try_number, map_index = _ti_fields(task_instance)
     reason = f"task failed (from outside the task): {_describe(error)}"
     _safely(
         "on_task_instance_failed",
@@ -181,6 +194,7 @@ def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Any)
         try_number,
         ExecutionState.FAILED,
         reason,
+        map_index,
     )
 
 
@@ -188,7 +202,7 @@ def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Any)
 def on_task_instance_success(previous_state: Any, task_instance: Any) -> None:
     from operators.lineage import ExecutionState
 
-    run_id, task_id, try_number = _ti_fields(task_instance)
+    run_id, task_id, try_number, map_index = _ti_fields(task_instance)
     _safely(
         "on_task_instance_success",
         _ti_context(run_id, task_id, try_number),
@@ -198,6 +212,7 @@ def on_task_instance_success(previous_state: Any, task_instance: Any) -> None:
         try_number,
         ExecutionState.CANCELED,
         "task marked success from outside while this step was running",
+        map_index,
     )
 
 
@@ -205,7 +220,7 @@ def on_task_instance_success(previous_state: Any, task_instance: Any) -> None:
 def on_task_instance_skipped(previous_state: Any, task_instance: Any) -> None:
     from operators.lineage import ExecutionState
 
-    run_id, task_id, try_number = _ti_fields(task_instance)
+    run_id, task_id, try_number, map_index = _ti_fields(task_instance)
     _safely(
         "on_task_instance_skipped",
         _ti_context(run_id, task_id, try_number),
@@ -215,6 +230,7 @@ def on_task_instance_skipped(previous_state: Any, task_instance: Any) -> None:
         try_number,
         ExecutionState.CANCELED,
         "task skipped while this step was running",
+        map_index,
     )
 
 

@@ -36,7 +36,8 @@ from operators.step_lineage import StepLineageMixin
 KILLED_TRAIN_GRACE_S = 120.0
 
 
-def _task_states(context: Any) -> dict[str, str]:
+def run_task_states(context: Any) -> dict[str, str]:
+    """Airflow's state of each task instance of this run (mapped ones as ``<task>_<index>``)."""
     ti = context.get("ti")
     try:
         states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])
@@ -44,6 +45,39 @@ def _task_states(context: Any) -> dict[str, str]:
         return {}
     states = states.get(ti.run_id, states) if isinstance(states, dict) else {}
     return {k: str(v) for k, v in states.items() if v is not None}
+
+
+def close_leftovers(store: Any, run_id: str, task_states: dict[str, str]) -> dict[str, int]:
+    """Close the run's RUNNING executions: FAILED where Airflow says the task failed (its
+    process died before it could report), CANCELED otherwise. Counts by new state.
+
+    ``task_states`` as ``get_task_states`` gives them: a mapped task instance (a sweep cell)
+    is ``<task_id>_<map_index>``, and its executions record their map index.
+    """
+    from operators.lineage import ExecutionState
+
+    closed = {"FAILED": 0, "CANCELED": 0}
+    for ex in store.executions(run_id, state=ExecutionState.RUNNING):
+        props = ex.properties or {}
+        task = props.get("task_id", ex.name.split("/", 1)[0])
+        if props.get("map_index") is not None:
+            task = f"{task}_{props['map_index']}"
+        airflow_state = task_states.get(task)
+        if airflow_state == "failed":
+            state = ExecutionState.FAILED
+            reason = "task failed without reporting its end (its process was killed or died)"
+        else:
+            state = ExecutionState.CANCELED
+            reason = f"task ended without reporting (Airflow: {airflow_state or 'unknown'})"
+        if store.finish_execution(
+            ex.id,
+            state,
+            error=reason,
+            properties={"closed_by": "record", "record_reason": reason},
+            only_if_running=True,
+        ):
+            closed[str(state)] += 1
+    return closed
 
 
 class RecordRunOperator(StepLineageMixin, BaseOperator):
@@ -82,32 +116,6 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             return False
         lease = current_lease(store_for(output), output)
         return lease is not None and lease.live(time.time())
-
-    @staticmethod
-    def _close_leftovers(store: Any, run_id: str, task_states: dict[str, str]) -> dict[str, int]:
-        """Close the run's RUNNING executions: FAILED where Airflow says the task failed (its
-        process died before it could report), CANCELED otherwise. Counts by new state."""
-        from operators.lineage import ExecutionState
-
-        closed = {"FAILED": 0, "CANCELED": 0}
-        for ex in store.executions(run_id, state=ExecutionState.RUNNING):
-            task = (ex.properties or {}).get("task_id", ex.name.split("/", 1)[0])
-            airflow_state = task_states.get(task)
-            if airflow_state == "failed":
-                state = ExecutionState.FAILED
-                reason = "task failed without reporting its end (its process was killed or died)"
-            else:
-                state = ExecutionState.CANCELED
-                reason = f"task ended without reporting (Airflow: {airflow_state or 'unknown'})"
-            if store.finish_execution(
-                ex.id,
-                state,
-                error=reason,
-                properties={"closed_by": "record", "record_reason": reason},
-                only_if_running=True,
-            ):
-                closed[str(state)] += 1
-        return closed
 
     def _wait_for_train_ending(self, store: Any, run_id: str, ex: Any) -> Any:
         """Wait (bounded) for a killed training task to record its checkpoint, so that the
@@ -162,8 +170,8 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         root = self.steps_root()
         store = self.lineage_store()
         try:
-            task_states = _task_states(context)
-            closed = self._close_leftovers(store, run_id, task_states)
+            task_states = run_task_states(context)
+            closed = close_leftovers(store, run_id, task_states)
             try:
                 graph_run = store.run_graph(run_id)
                 executions = [node.execution for node in graph_run.steps]

@@ -245,15 +245,23 @@ class StepLineageMixin:
         inputs: Iterable[ArtifactRef],
         root: str,
     ) -> int:
-        """RUNNING, with the task, try, output and unversioned settings, and the inputs."""
+        """RUNNING, with the task (and its map index, for a mapped task), try, output and
+        unversioned settings, and the inputs."""
+        ti = context.get("ti")
+        task: dict[str, Any] = {"task_id": getattr(self, "task_id", None)}
+        map_index = getattr(ti, "map_index", None)
+        if isinstance(map_index, int) and map_index >= 0:
+            # The sweep's cells are one task mapped over the grid: the listener and the
+            # leftover closing must tell one cell's execution from its siblings'.
+            task["map_index"] = map_index
         execution = store.start_execution(
             step.name,
             run_id=context.get("run_id"),
             pipeline=getattr(self, "dag_id", None),
             step_version=step.version,
             properties={
-                "task_id": getattr(self, "task_id", None),
-                "try_number": getattr(context.get("ti"), "try_number", None),
+                **task,
+                "try_number": getattr(ti, "try_number", None),
                 "output": spec.output_path,
                 "unversioned": dict(spec.unversioned),
             },

@@ -347,7 +347,8 @@ def _record_report(store: Any, execution: int, report: list[tuple[str, str]]) ->
 
 
 class CheckForecastOperator(StepLineageMixin, BaseOperator):
-    """Each forecast run's outcome against its pre-registered prediction."""
+    """Each forecast run's outcome against its pre-registered prediction; first, the run's
+    executions left RUNNING by killed tasks are closed (``operators.record.close_leftovers``)."""
 
     ui_color = "#c0ffc8"
 
@@ -357,6 +358,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         super().__init__(**kwargs)
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
+        from operators.record import close_leftovers, run_task_states
         from operators.settings import run_folder, write_run_file
         from operators.sweep.outcomes import check_forecast
         from trainer.rundir import read_json
@@ -367,6 +369,12 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         checks: list[dict[str, Any]] = []
         store = self.lineage_store()
         try:
+            # The night's last task: the executions of cells whose process was killed without
+            # reporting (OOM, SIGKILL) are closed here, as the pipeline's ``record`` closes its
+            # run's; sibling cells are told apart by their map index.
+            closed = close_leftovers(store, context.get("run_id"), run_task_states(context))
+            if any(closed.values()):
+                self.log.warning("closed executions that never reported their end: %s", closed)
             execution = store.start_execution(
                 "check", run_id=context.get("run_id"), pipeline=self.dag_id
             )

@@ -95,6 +95,13 @@ def test_a_night_with_a_failing_cell_fits_forecasts_and_checks(env):
     assert len(cells) == 6 + 1, sorted(nodes)  # six grid cells and the forecast run
     states = {n: str(x.execution.state) for n, x in cells.items()}
     assert sorted(states.values()).count("FAILED") == 1, (states, log1[-4000:])
+    # each cell's execution names its mapped task instance: the listener and the check close
+    # one cell's leftovers without touching its siblings'
+    tasks = sorted(
+        (x.execution.properties["task_id"], x.execution.properties.get("map_index"))
+        for x in cells.values()
+    )
+    assert tasks == [("train_cell", i) for i in range(6)] + [("train_forecast", 0)], tasks
 
     record = run_file(env, run1, "sweep.json")
     left_out = [c for c in record["cells"] if c["reason"]]

@@ -29,6 +29,7 @@ class FakeTaskInstance:
     task_id: str
     try_number: int = 1
     dag_id: str = "slipway_pipeline"
+    map_index: int = -1  # not mapped
 
 
 @dataclass
@@ -52,10 +53,12 @@ def store(request, tmp_path, monkeypatch):
         yield s
 
 
-def start(store, name, run_id="r1", task_id=None, try_number=1):
+def start(store, name, run_id="r1", task_id=None, try_number=1, map_index=None):
     props = {"try_number": try_number}
     if task_id is not None:
         props["task_id"] = task_id
+    if map_index is not None:
+        props["map_index"] = map_index
     return store.start_execution(name, run_id=run_id, pipeline="slipway_pipeline", properties=props)
 
 
@@ -104,6 +107,57 @@ def test_marked_success_or_skipped_while_running_cancels(store):
     assert state(store, train) == ExecutionState.CANCELED
     assert "marked success from outside" in store.execution(train).error
     assert state(store, evaluate) == ExecutionState.CANCELED
+
+
+def test_a_mapped_task_instance_closes_only_its_own_executions(store):
+    """Sweep cells are one task mapped over the grid, two at a time: one cell ending (itself,
+    or failed from outside) must not close a sibling that is still running."""
+    cells = [start(store, f"sweep/train/c{i}", task_id="train_cell", map_index=i) for i in range(3)]
+    store.finish_execution(cells[0])  # cell 0 reported itself, then Airflow calls the hook
+    listener.on_task_instance_success(None, FakeTaskInstance("r1", "train_cell", map_index=0))
+    listener.on_task_instance_failed(
+        None, FakeTaskInstance("r1", "train_cell", map_index=2), MANUAL
+    )
+    assert state(store, cells[0]) == ExecutionState.COMPLETE
+    assert state(store, cells[1]) == ExecutionState.RUNNING  # the sibling still training
+    assert state(store, cells[2]) == ExecutionState.FAILED
+
+
+def test_leftovers_of_killed_mapped_tasks_are_closed_by_their_own_state(store):
+    """``record`` (the pipeline) and ``check`` (the sweep) close what killed tasks left
+    RUNNING, by Airflow's state of that task instance (``<task>_<map index>`` when mapped)."""
+    from operators.record import close_leftovers
+
+    failed = start(store, "sweep/train/c0", task_id="train_cell", map_index=0)
+    killed_run = start(store, "sweep/train/c1", task_id="train_cell", map_index=1)
+    train = start(store, "train", task_id="train")
+    states = {"train_cell_0": "failed", "train_cell_1": "success", "train": "failed"}
+    assert close_leftovers(store, "r1", states) == {"FAILED": 2, "CANCELED": 1}
+    assert state(store, failed) == ExecutionState.FAILED
+    assert state(store, killed_run) == ExecutionState.CANCELED
+    assert "Airflow: success" in store.execution(killed_run).error
+    assert state(store, train) == ExecutionState.FAILED
+
+
+def test_step_executions_record_their_map_index(store):
+    """What the two tests above rely on: a step of a mapped task records its map index (and a
+    step of an unmapped task, map index -1, records none)."""
+    from types import SimpleNamespace
+
+    from operators.step_lineage import StepLineageMixin
+
+    owner = SimpleNamespace(task_id="train_cell", dag_id="slipway_scaling_sweep")
+    step = SimpleNamespace(name="sweep/train/c3", version="v1")
+    spec = SimpleNamespace(output_path="/out/c3", unversioned={})
+    recorded = {}
+    for index in (3, -1):
+        ti = SimpleNamespace(try_number=1, map_index=index)
+        ex = StepLineageMixin.start_step_execution(
+            owner, store, {"run_id": "r1", "ti": ti}, step, spec, [], "/out"
+        )
+        recorded[index] = store.execution(ex).properties
+    assert recorded[3]["map_index"] == 3 and recorded[3]["task_id"] == "train_cell"
+    assert "map_index" not in recorded[-1]
 
 
 def test_a_task_that_reported_itself_is_left_alone(store):
