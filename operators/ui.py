@@ -9,7 +9,7 @@ is sent to Airflow's login page, which brings it back. The pages themselves are
     /slipway/                       every run, filterable (?pipeline= &state= &q=)
     /slipway/runs/<run_id>          one run: steps, loss curve, evaluation, benchmarks, samples,
                                     the promotion decision; a failed run's cause and resume plan
-    /slipway/runs/<run_id>/loss.png the loss curve (matplotlib, server-side)
+    /slipway/runs/<run_id>/loss.png the loss curve (matplotlib, server-side; ETag, kept drawn)
     /slipway/runs/<run_id>/report.html  the run's static report, as the run wrote it
     /slipway/trace?uri=&version=    an artifact traced back to its raw inputs, as a graph
     /slipway/sweeps[?night=]        the scaling sweep: grid, plots, fits, forecasts vs outcomes
@@ -18,8 +18,10 @@ is sent to Airflow's login page, which brings it back. The pages themselves are
 
 from __future__ import annotations
 
+import hashlib
 import html
 import threading
+from collections import OrderedDict
 from typing import Any
 from urllib.parse import quote
 
@@ -29,7 +31,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from operators.lineage import LineageStore, NotFound
 from operators.reports import URL_PREFIX, pages
-from operators.reports.plots import loss_png
+from operators.reports.plots import DPI, SIZE_IN, loss_png
 from operators.reports.static import report_path
 from operators.reports.view import loss_curve, run_view
 
@@ -100,15 +102,47 @@ def run(request: Request, run_id: str) -> Any:
         raise HTTPException(404, str(exc.args[0])) from exc
 
 
+# The last loss plots drawn, by ETag: matplotlib takes ~80 ms a plot, and a run page is opened
+# by many people (and reloaded) while its curve stays the same.
+_LOSS_PNGS: OrderedDict[str, bytes] = OrderedDict()
+_LOSS_PNGS_KEPT = 64
+_LOSS_PNGS_LOCK = threading.Lock()
+
+
+def _loss_etag(points: list[tuple[int, float]]) -> str:
+    """The plot's ETag: the curve and the drawing's size, so a changed log or plot differs."""
+    digest = hashlib.sha256(repr((points, SIZE_IN, DPI)).encode()).hexdigest()
+    return f'"{digest[:32]}"'
+
+
+def _cached_loss_png(etag: str, points: list[tuple[int, float]]) -> bytes:
+    with _LOSS_PNGS_LOCK:
+        png = _LOSS_PNGS.get(etag)
+        if png is not None:
+            _LOSS_PNGS.move_to_end(etag)
+            return png
+    png = loss_png(points)  # drawn outside the lock: two first requests may both draw
+    with _LOSS_PNGS_LOCK:
+        _LOSS_PNGS[etag] = png
+        while len(_LOSS_PNGS) > _LOSS_PNGS_KEPT:
+            _LOSS_PNGS.popitem(last=False)
+    return png
+
+
 @app.get("/runs/{run_id}/loss.png")
-def loss(run_id: str) -> Response:
+def loss(request: Request, run_id: str) -> Response:
+    """The loss curve, with an ETag of the curve: a browser that has it gets 304, and a curve
+    drawn before is served from memory."""
     try:
         view = run_view(store().run_graph(run_id))
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
-    return Response(
-        loss_png(loss_curve(view.training)), media_type="image/png", headers=PNG_HEADERS
-    )
+    points = loss_curve(view.training)
+    etag = _loss_etag(points)
+    headers = {**PNG_HEADERS, "ETag": etag}
+    if etag in (t.strip() for t in request.headers.get("if-none-match", "").split(",")):
+        return Response(status_code=304, headers=headers)
+    return Response(_cached_loss_png(etag, points), media_type="image/png", headers=headers)
 
 
 @app.get("/runs/{run_id}/report.html", response_class=HTMLResponse)

@@ -8,7 +8,8 @@ and about fifteen artifacts each), then times, median of ``--repeat``, through t
 (``operators/ui.py`` with Airflow's authentication dependency overridden, FastAPI's test client):
 
 * ``GET /`` -- the runs list, all of them: the number that must stay under 1 s;
-* ``GET /runs/<id>`` and ``/runs/<id>/loss.png`` for one run among them;
+* ``GET /runs/<id>`` and ``/runs/<id>/loss.png`` for one run among them (the plot drawn, kept
+  from an earlier request, and revalidated by its ETag: 304);
 * ``GET /trace`` of that run's checkpoint.
 
 Baselines from the same run: the store's ``runs()`` query alone (what the list cannot be faster
@@ -52,6 +53,30 @@ def _client(store):
     ui._store = store
     ui.app.dependency_overrides[get_user] = lambda: object()
     return TestClient(ui.app, root_path="/slipway")
+
+
+def _drawn(client, path: str) -> Callable[[], None]:
+    """The loss plot drawn: the app's kept drawings emptied before each request."""
+    from operators import ui
+
+    get = _get(client, path)
+
+    def fn() -> None:
+        ui._LOSS_PNGS.clear()
+        get()
+
+    return fn
+
+
+def _revalidated(client, path: str) -> Callable[[], None]:
+    """A browser's revalidation of the plot it has: If-None-Match, answered 304."""
+    etag = client.get(path).headers["etag"]
+
+    def fn() -> None:
+        r = client.get(path, headers={"If-None-Match": etag})
+        assert r.status_code == 304, (path, r.status_code)
+
+    return fn
 
 
 def _get(client, path: str, **params) -> Callable[[], None]:
@@ -98,7 +123,15 @@ def main() -> None:
         "GET / (10 runs)": small,
         f"GET / ({args.runs} runs)": _median(_get(client, "/"), args.repeat),
         "GET /runs/<id>": _median(_get(client, f"/runs/{one}"), args.repeat),
-        "GET /runs/<id>/loss.png": _median(_get(client, f"/runs/{one}/loss.png"), args.repeat),
+        "GET /runs/<id>/loss.png, drawn": _median(
+            _drawn(client, f"/runs/{one}/loss.png"), args.repeat
+        ),
+        "GET /runs/<id>/loss.png, kept": _median(
+            _get(client, f"/runs/{one}/loss.png"), args.repeat
+        ),
+        "GET /runs/<id>/loss.png, 304": _median(
+            _revalidated(client, f"/runs/{one}/loss.png"), args.repeat
+        ),
         "GET /trace (checkpoint)": _median(
             _get(client, "/trace", uri=ckpt.checkpoint, version=ckpt.checkpoint_version),
             args.repeat,
@@ -106,7 +139,7 @@ def main() -> None:
     }
     listed = results[f"GET / ({args.runs} runs)"]
     for name, seconds in results.items():
-        print(f"{name:<28} {seconds * 1000:8.1f} ms")
+        print(f"{name:<34} {seconds * 1000:8.1f} ms")
     print(
         f"runs list with {args.runs} runs: {listed:.3f} s = {listed / 1.0:.2f}x the 1 s budget; "
         f"{listed / results['store.runs() alone']:.1f}x the store query alone; "

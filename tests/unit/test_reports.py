@@ -4,6 +4,7 @@ from what was recorded (``tests/support/report_runs.py``), parsed from the HTML,
 from __future__ import annotations
 
 import base64
+import json
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -194,3 +195,26 @@ def test_the_app_serves_pages_plots_and_reports(client, store):
     assert "No <span" in client.get("/sweeps").text
     assert client.get("/sweeps/..%2F..%2Fetc/isoflop.png").status_code == 404
     assert client.get("/sweeps/good/passwd.png").status_code == 404
+
+
+def test_the_loss_plot_is_drawn_once_per_curve_and_revalidated_by_etag(client, store, monkeypatch):
+    """A run page's plot is drawn once per curve: a browser that has it gets 304, another
+    request the kept drawing; a new line in the run's log is a new curve, a new ETag."""
+    from operators import ui
+    from operators.reports.view import run_view
+
+    drawn = []
+    monkeypatch.setattr(ui, "loss_png", lambda points: drawn.append(points) or b"\x89PNG fake")
+    monkeypatch.setattr(ui, "_LOSS_PNGS", type(ui._LOSS_PNGS)())
+    first = client.get("/runs/good/loss.png")
+    etag = first.headers["etag"]
+    assert first.status_code == 200 and first.content == b"\x89PNG fake" and len(drawn) == 1
+    again = client.get("/runs/good/loss.png", headers={"If-None-Match": f'"other", {etag}'})
+    assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag
+    assert client.get("/runs/good/loss.png").content == b"\x89PNG fake" and len(drawn) == 1
+    log = run_view(store.run_graph("good")).training.output_dir + "/metrics.jsonl"
+    with open(log, "a") as f:
+        f.write(json.dumps({"step": 99, "loss": 1.5}) + "\n")
+    grown = client.get("/runs/good/loss.png", headers={"If-None-Match": etag})
+    assert grown.status_code == 200 and grown.headers["etag"] != etag and len(drawn) == 2
+    assert drawn[1][-1] == (99, 1.5)
