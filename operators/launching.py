@@ -38,7 +38,10 @@ def jobset_name(kind: str, spec: StepSpec) -> str:
 
 class JobSetRunner:
     """Submit a manifest, stream its logs, watch it, cancel it on kill. The hook's client is
-    closed when ``run`` returns or raises; a later ``cancel`` (a kill) opens a new one."""
+    closed when ``run`` returns or raises, and the JobSet is then no longer this runner's to
+    cancel: it has ended, or ``run`` cancelled it. A kill during ``run`` (``on_kill`` from the
+    task's signal handler) cancels through the open client, and ``run`` sees it end. The
+    local backend keeps its runs in the client itself, so only ``run`` may close it."""
 
     def __init__(
         self, operator: BaseOperator, backend: str, cluster: Mapping[str, Any] | None = None
@@ -56,19 +59,19 @@ class JobSetRunner:
         progress: Any = None,
         poll_seconds: float = POLL_SECONDS,
     ) -> Any:
-        self.handle = self.hook.submit(manifest)
-        self.operator.log.info("JobSet %s submitted (%s)", self.handle.name, self.handle.uid)
+        self.handle = handle = self.hook.submit(manifest)
+        self.operator.log.info("JobSet %s submitted (%s)", handle.name, handle.uid)
         last_progress = time.monotonic()
         try:
             while True:
-                status = self.hook.poll(self.handle)
+                status = self.hook.poll(handle)
                 if status.done:
                     if progress is not None:
                         progress()
                     return status
                 if watch is not None and (reason := watch()):
                     self.operator.log.warning("%s: cancelling the JobSet", reason)
-                    self.hook.cancel(self.handle)
+                    self.hook.cancel(handle)
                     raise FaultInjected(reason)
                 if progress is not None and time.monotonic() - last_progress >= PROGRESS_SECONDS:
                     progress()
@@ -78,15 +81,14 @@ class JobSetRunner:
             self.cancel()
             raise
         finally:
+            self.handle = None
             self.hook.close()
 
     def cancel(self) -> None:
-        if self.handle is not None:
-            try:
-                status = self.hook.cancel(self.handle)
-            finally:
-                self.hook.close()
-            self.operator.log.info("JobSet %s cancelled: %s", self.handle.name, status.reason)
+        handle = self.handle
+        if handle is not None:
+            status = self.hook.cancel(handle)
+            self.operator.log.info("JobSet %s cancelled: %s", handle.name, status.reason)
 
 
 def trainer_launch(

@@ -167,8 +167,11 @@ def _safely(hook: str, context: str, fn: Any, *args: Any) -> None:
         )
 
 
-def _ti_context(run_id: str | None, task_id: str | None, try_number: int | None) -> str:
-    return f"DAG run {run_id} task {task_id} try {try_number}"
+def _ti_context(
+    run_id: str | None, task_id: str | None, try_number: int | None, map_index: int | None
+) -> str:
+    mapped = "" if map_index is None else f"[{map_index}]"
+    return f"DAG run {run_id} task {task_id}{mapped} try {try_number}"
 
 
 def _describe(error: Any) -> str:
@@ -187,7 +190,7 @@ def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Any)
     reason = f"task failed (from outside the task): {_describe(error)}"
     _safely(
         "on_task_instance_failed",
-        _ti_context(run_id, task_id, try_number),
+        _ti_context(run_id, task_id, try_number, map_index),
         close_task_executions,
         run_id,
         task_id,
@@ -205,7 +208,7 @@ def on_task_instance_success(previous_state: Any, task_instance: Any) -> None:
     run_id, task_id, try_number, map_index = _ti_fields(task_instance)
     _safely(
         "on_task_instance_success",
-        _ti_context(run_id, task_id, try_number),
+        _ti_context(run_id, task_id, try_number, map_index),
         close_task_executions,
         run_id,
         task_id,
@@ -223,7 +226,7 @@ def on_task_instance_skipped(previous_state: Any, task_instance: Any) -> None:
     run_id, task_id, try_number, map_index = _ti_fields(task_instance)
     _safely(
         "on_task_instance_skipped",
-        _ti_context(run_id, task_id, try_number),
+        _ti_context(run_id, task_id, try_number, map_index),
         close_task_executions,
         run_id,
         task_id,

@@ -190,18 +190,18 @@ def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
-P = ParamSpec("P")
-R = TypeVar("R")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
-def on_mesh(fn: Callable[P, R], mesh: Mesh) -> Callable[P, R]:
+def on_mesh(fn: Callable[_P, _R], mesh: Mesh) -> Callable[_P, _R]:
     """``fn``, traced with ``mesh`` as JAX's abstract mesh: what ``jax.jit`` of a step over
     ``mesh`` wraps. Kernels that XLA cannot partition (Pallas on TPU) find the mesh there and
     run per device inside a ``shard_map`` (``kernels.per_device``); everything else is
     partitioned from the arrays' shardings as before."""
 
     @functools.wraps(fn)
-    def traced(*args: P.args, **kwargs: P.kwargs) -> R:
+    def traced(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args, **kwargs)
 

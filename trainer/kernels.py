@@ -414,17 +414,22 @@ def per_device(
     over the mesh being traced (``distributed.on_mesh``); called directly without one.
 
     Shapes as :func:`attention`. Each device gets its rows of the batch (split over
-    ``BATCH_AXES``, as the batch is) and, where ``HEAD_AXIS`` divides both head counts, its
-    heads (query head ``i`` of a block still maps to kv head ``i // (H // K)`` of the block).
-    XLA cannot partition a Pallas (Mosaic) call, so under a multi-device jit one must run on
-    per-device blocks; ``local`` sees (B / data-parallel size, S, heads per device, hd).
+    ``BATCH_AXES``, as the batch is) and, where ``HEAD_AXIS`` divides the query heads, its
+    heads: query head ``i`` of a block still maps to kv head ``i // (H // K)`` of the block,
+    and kv heads that ``HEAD_AXIS`` does not divide are repeated to one per query head first
+    (what an MHA kernel does anyway), so no device computes another's heads. XLA cannot
+    partition a Pallas (Mosaic) call, so under a multi-device jit one must run on per-device
+    blocks; ``local`` sees (B / data-parallel size, S, heads per device, hd).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(q, k, v, segments)
     batch = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
-    tensor = mesh.shape.get(HEAD_AXIS, 1)
-    heads = HEAD_AXIS if q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
+    tensor = mesh.shape[HEAD_AXIS] if HEAD_AXIS in mesh.axis_names else 1
+    h, kv_heads = q.shape[2], k.shape[2]
+    heads = HEAD_AXIS if tensor > 1 and h % tensor == 0 else None
+    if heads and kv_heads % tensor:
+        k, v = (jnp.repeat(x, h // kv_heads, axis=2) for x in (k, v))
     rows = PartitionSpec(batch, None, heads, None)
     return jax.shard_map(
         local,

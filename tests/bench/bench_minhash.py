@@ -18,7 +18,8 @@ The ratio is our throughput over datasketch's (>= 2 is the goal); both include t
 Then the whole Beam stage (``python -m pipelines.fuzzy_dedup``, DirectRunner in process, and
 with ``multi_processing`` on 2 workers unless ``--quick``) runs on the same documents as a child
 process: its time is the stage's own log line (pipeline build + run, not interpreter start-up)
-and its peak memory the largest resident peak of its processes (``CHILD``).
+and its peak memory the largest resident peak of any one of its processes (``CHILD``; with
+``multi_processing`` the parent and its workers together hold more).
 """
 
 from __future__ import annotations

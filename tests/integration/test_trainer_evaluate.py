@@ -19,6 +19,7 @@ import tensorstore as ts
 
 from tests.support.trainer_data import (
     stdlib_texts,
+    traced_meshes,
     train_sentencepiece,
     write_random_store,
     write_text_store,
@@ -33,7 +34,8 @@ from trainer.train import loss_and_stats
 from trainer.train import main as train_main
 
 
-def test_evaluate_trained_checkpoint(tmp_path, capsys):
+def test_evaluate_trained_checkpoint(tmp_path, capsys, monkeypatch):
+    meshes = traced_meshes(monkeypatch)
     texts = stdlib_texts(300_000)
     held_out = stdlib_texts(100_000, skip=len(texts) + 5)
     tok = train_sentencepiece(texts, 512, str(tmp_path / "tok"))
@@ -53,11 +55,15 @@ def test_evaluate_trained_checkpoint(tmp_path, capsys):
     ]
     args = [x for s in sets for x in ("--set", s)]
     assert train_main(args) == 0
+    # the train step was traced under its mesh (what splash needs on TPU), then evaluation's
+    assert meshes and set(meshes) == {dist.AXES}, meshes
+    meshes.clear()
     capsys.readouterr()
     assert eval_main([*args, "--max-tokens", "8192", "--step", "30"]) == 0
     early = json.loads(capsys.readouterr().out)
     assert eval_main([*args, "--max-tokens", "8192"]) == 0
     final = json.loads(capsys.readouterr().out)
+    assert meshes and set(meshes) == {dist.AXES}, meshes
     assert final["step"] == 60 and early["step"] == 30
     r = final["results"][0]
     assert r["tokens"] == (8192 // 64) * 64

@@ -203,7 +203,8 @@ def test_splash_attention_runs_per_device_under_a_mesh():
     """XLA cannot partition a Pallas call, so on a multi-chip slice splash must run inside a
     ``shard_map``: ``distributed.on_mesh`` gives the traced step its mesh and
     ``kernels.per_device`` splits q, k and v by rows of the batch and, where the tensor axis
-    divides both head counts, by heads. Forward and gradients match the blocked attention
+    divides the query heads, by heads (kv heads it does not divide repeated first); a mesh
+    without a tensor axis splits rows only. Forward and gradients match the blocked attention
     on one device (tests/support/splash_on_mesh.py)."""
     out = subprocess.run(
         [sys.executable, "-m", "tests.support.splash_on_mesh"],
@@ -214,13 +215,16 @@ def test_splash_attention_runs_per_device_under_a_mesh():
     )
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    local = {(tuple(r["mesh"].items()), r["kv_heads"]): r["local_qkv"] for r in rows}
-    b, s, h, hd = 4, 256, 4, 64
+    local = {(tuple(r["mesh"].items()), r["heads"], r["kv_heads"]): r["local_qkv"] for r in rows}
+    b, s, hd = 4, 256, 64
     half, quarter = [b // 2, s], [b // 4, s]
     assert local == {  # q, k, v per device
-        ((("data", 2), ("tensor", 2)), 2): [[*half, h // 2, hd], [*half, 1, hd], [*half, 1, hd]],
-        ((("fsdp", 4),), 2): [[*quarter, h, hd], [*quarter, 2, hd], [*quarter, 2, hd]],
-        ((("data", 2), ("tensor", 2)), 1): [[*half, h, hd], [*half, 1, hd], [*half, 1, hd]],
+        ((("data", 2), ("tensor", 2)), 4, 2): [[*half, 2, hd], [*half, 1, hd], [*half, 1, hd]],
+        ((("fsdp", 4),), 4, 2): [[*quarter, 4, hd], [*quarter, 2, hd], [*quarter, 2, hd]],
+        # one kv head, which tensor=2 does not divide: repeated, then split like the queries
+        ((("data", 2), ("tensor", 2)), 4, 1): [[*half, 2, hd], [*half, 2, hd], [*half, 2, hd]],
+        ((("data", 2), ("tensor", 2)), 2, 1): [[*half, 1, hd], [*half, 1, hd], [*half, 1, hd]],
+        ((("data", 4),), 4, 2): [[*quarter, 4, hd], [*quarter, 2, hd], [*quarter, 2, hd]],
     }
     for r in rows:
         assert r["shard_maps"] == 2, r  # the forward and the backward each run per device

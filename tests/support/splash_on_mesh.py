@@ -17,8 +17,9 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import trainer.distributed as dist
 import trainer.kernels as kernels
@@ -26,14 +27,16 @@ from trainer.config import MeshConfig
 from trainer.model import segments_and_positions
 
 LAYOUTS = [
-    # (mesh, query heads, kv heads)
+    # (mesh axes, query heads, kv heads): meshes as the trainer makes them (all four axes)
     ({"data": 2, "tensor": 2}, 4, 2),  # heads split over tensor
     ({"fsdp": 4}, 4, 2),  # batch only
-    ({"data": 2, "tensor": 2}, 4, 1),  # one kv head: heads stay whole on each device
+    ({"data": 2, "tensor": 2}, 4, 1),  # one kv head: repeated to one per query head, split
+    ({"data": 2, "tensor": 2}, 2, 1),
+    ({"data": 4}, 4, 2, "bare"),  # a mesh of one axis, no tensor axis at all
 ]
 
 
-def check(axes: dict[str, int], h: int, kv_heads: int) -> dict:
+def check(axes: dict[str, int], h: int, kv_heads: int, kind: str = "trainer") -> dict:
     b, s, hd = 4, 256, 64
     keys = jax.random.split(jax.random.key(3), 4)
     q = jax.random.normal(keys[0], (b, s, h, hd))
@@ -50,11 +53,15 @@ def check(axes: dict[str, int], h: int, kv_heads: int) -> dict:
 
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(loss("blocked"))(q, k, v, seg)
-        mesh = dist.make_mesh(
-            MeshConfig(**{"replica": 1, "data": 1, "fsdp": 1, "tensor": 1, **axes})
-        )
-        rows = dist.batch_sharding(mesh)
-        heads = NamedSharding(mesh, PartitionSpec(dist.BATCH_AXES, None, "tensor", None))
+        if kind == "bare":
+            mesh = Mesh(np.array(jax.devices()), tuple(axes))
+            rows = heads = NamedSharding(mesh, PartitionSpec(tuple(axes)))
+        else:
+            mesh = dist.make_mesh(
+                MeshConfig(**{"replica": 1, "data": 1, "fsdp": 1, "tensor": 1, **axes})
+            )
+            rows = dist.batch_sharding(mesh)
+            heads = NamedSharding(mesh, PartitionSpec(dist.BATCH_AXES, None, "tensor", None))
         seen: list[tuple[int, ...]] = []
         real_make = sa.make_splash_mha
 
@@ -66,9 +73,7 @@ def check(axes: dict[str, int], h: int, kv_heads: int) -> dict:
         try:
             step = jax.jit(
                 dist.on_mesh(loss("splash"), mesh),
-                # q arrives split over heads, as the projections leave it; with one kv head
-                # the kernel's blocks need whole heads, so the shard_map gathers them
-                in_shardings=(heads, rows, rows, rows),
+                in_shardings=(heads, rows, rows, rows),  # q split over heads, as projected
             )
             got = step(q, k, v, seg)
             traced = jax.make_jaxpr(dist.on_mesh(loss("splash"), mesh))(q, k, v, seg)

@@ -136,3 +136,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def traced_meshes(monkeypatch) -> list[tuple[str, ...]]:
+    """The abstract mesh's axis names each time the model's attention is traced from now on:
+    what a kernel that must run per device (``kernels.per_device``) finds. A step jitted
+    without ``distributed.on_mesh`` shows ``()``."""
+    import jax
+
+    import trainer.model as model
+
+    seen: list[tuple[str, ...]] = []
+    real = model.attention
+
+    def attention(*args, **kwargs):
+        seen.append(tuple(jax.sharding.get_abstract_mesh().axis_names))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "attention", attention)
+    return seen

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support.trainer_data import traced_meshes
 from trainer import distributed as dist
 from trainer.config import MeshConfig, ModelConfig, resolve_model
 from trainer.evaluate import main as eval_main
@@ -202,7 +203,7 @@ def test_metrics_arithmetic():
 # --- the scorer against the model's own forward pass -------------------------------------------
 
 
-def test_scorer_matches_full_forward_log_softmax():
+def test_scorer_matches_full_forward_log_softmax(monkeypatch):
     cfg = resolve_model(
         ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2),
         vocab_size=97,
@@ -217,7 +218,9 @@ def test_scorer_matches_full_forward_log_softmax():
         (rng.integers(4, 97, n).tolist(), rng.integers(4, 97, k).tolist())
         for n, k in [(5, 1), (17, 3), (33, 2), (60, 4), (2, 2)]  # the 4th is truncated to 40
     ]
+    meshes = traced_meshes(monkeypatch)
     got = scorer.score(requests)
+    assert meshes and set(meshes) == {dist.AXES}  # traced under its mesh (splash on TPU)
 
     @jax.jit
     def logits_of(tokens):  # (1, 40): padding after the tokens changes nothing before it

@@ -357,59 +357,89 @@ def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path):
 
 
 class _RecordingBackend:
-    """A fake JobSet backend (no cluster, no processes): a JobSet that completes on the first
-    poll, or whose poll fails; records the calls."""
+    """A fake JobSet backend (no cluster, no processes) that, like the local backend, knows
+    only the runs it submitted itself; records the calls. ``script``: what successive polls
+    do: "running", "done", "fail" (raise), or "kill" (the task's on_kill, mid-run)."""
 
     name = "fake"
 
-    def __init__(self, calls: list[str], poll_fails: bool = False) -> None:
-        self.calls, self.poll_fails = calls, poll_fails
+    def __init__(self, calls: list[str], script: list[str], runner=None) -> None:
+        self.calls, self.script, self.runner = calls, list(script), runner
+        self.submitted: dict[str, str] = {}  # uid -> state
 
     def submit(self, manifest):
         from operators.jobset import JobSetHandle
 
         self.calls.append("submit")
-        return JobSetHandle("fake", "ns", manifest["metadata"]["name"], "uid-1")
+        handle = JobSetHandle("fake", "ns", manifest["metadata"]["name"], "uid-1")
+        self.submitted[handle.uid] = "running"
+        return handle
+
+    def _state(self, handle) -> str:
+        from operators.jobset.backend import JobSetNotFound
+
+        if handle.uid not in self.submitted:
+            raise JobSetNotFound(f"{handle.name}: not a run of this backend")
+        return self.submitted[handle.uid]
 
     def poll(self, handle):
         from operators.jobset.backend import JobSetStatus
 
         self.calls.append("poll")
-        if self.poll_fails:
+        step = self.script.pop(0) if self.script else "running"
+        if step == "fail":
             raise ConnectionError("API went away")
-        return JobSetStatus(handle, terminal_state="Completed", reason="AllJobsCompleted")
+        if step == "kill":  # on_kill, from the signal handler, just after this poll's read
+            self._state(handle)
+            self.runner.cancel()
+            return JobSetStatus(handle)
+        if step == "done" and self._state(handle) == "running":
+            self.submitted[handle.uid] = "Completed"
+        state = self._state(handle)
+        if state == "running":
+            return JobSetStatus(handle)
+        reason = "AllJobsCompleted" if state == "Completed" else "Cancelled"
+        return JobSetStatus(handle, terminal_state=state, reason=reason)
 
     def cancel(self, handle):
         from operators.jobset.backend import JobSetStatus
 
         self.calls.append("cancel")
+        self._state(handle)
+        self.submitted[handle.uid] = "Failed"
         return JobSetStatus(handle, terminal_state="Failed", reason="Cancelled")
 
     def close(self) -> None:
         self.calls.append("close")
 
 
-@pytest.mark.parametrize("poll_fails", [False, True])
-def test_jobset_runner_closes_its_client_when_the_run_ends(poll_fails):
-    """The hook's client (a Kubernetes API client on gke) is released when ``run`` returns or
-    raises, after the cancel on failure; a later ``cancel`` (a kill) opens and closes its own."""
+@pytest.mark.parametrize(
+    ("script", "calls", "reason"),
+    [
+        (["running", "done"], ["submit", "poll", "poll", "close"], "AllJobsCompleted"),
+        (["fail"], ["submit", "poll", "cancel", "close"], None),
+        # killed mid-run: cancelled through the open client, and run sees the JobSet end
+        (["kill", "running"], ["submit", "poll", "cancel", "poll", "close"], "Cancelled"),
+    ],
+)
+def test_jobset_runner_closes_its_client_when_the_run_ends(script, calls, reason):
+    """The hook's client (a Kubernetes API client on gke; the runs themselves on the local
+    backend) is released once ``run`` returns or raises, never before: a kill during the run
+    cancels through it. After ``run``, the JobSet is no longer the runner's to cancel."""
     import logging
     from types import SimpleNamespace
 
     from operators.launching import JobSetRunner
 
-    calls: list[str] = []
+    recorded: list[str] = []
     runner = JobSetRunner(SimpleNamespace(log=logging.getLogger("test")), "local")
-    runner.hook._build = lambda: _RecordingBackend(calls, poll_fails)
+    runner.hook._build = lambda: _RecordingBackend(recorded, script, runner)
     manifest = {"metadata": {"name": "slipway-eval-0123abcd"}}
-    if poll_fails:
+    if reason is None:
         with pytest.raises(ConnectionError):
-            runner.run(manifest)
-        assert calls == ["submit", "poll", "cancel", "close"]
+            runner.run(manifest, poll_seconds=0)
     else:
-        assert runner.run(manifest).reason == "AllJobsCompleted"
-        assert calls == ["submit", "poll", "close"]
-    assert runner.hook._conn is None
-    calls.clear()
-    runner.cancel()
-    assert calls == ["cancel", "close"] and runner.hook._conn is None
+        assert runner.run(manifest, poll_seconds=0).reason == reason
+    assert recorded == calls and runner.hook._conn is None
+    runner.cancel()  # a kill after the run: nothing of this runner's is left to cancel
+    assert recorded == calls and runner.hook._conn is None

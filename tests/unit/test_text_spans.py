@@ -90,6 +90,10 @@ def test_regex_whitespace_is_str_isspace():
     )
 
 
+ASCII = ["\n", "\n", " ", " ", "\t", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "a", "B", "z", "7"]
+ASCII += ["_", ",", ".", "'", "-", "$", "\x00", "\x7f"]
+
+
 def test_span_dedup_keys_equal_each_spans_dedup_key_text():
     rng = random.Random(5)
     for text in [
@@ -99,6 +103,8 @@ def test_span_dedup_keys_equal_each_spans_dedup_key_text():
             "".join(rng.choice([*ALPHABET, "x", "y", ",", "_"]) for _ in range(60))
             for _ in range(300)
         ),
+        # ASCII only: the one-translation path, ASCII's other whitespace and "_" included
+        *("".join(rng.choice(ASCII) for _ in range(60)) for _ in range(300)),
     ]:
         spans = paragraph_spans(text) + line_spans(text)
         expected = [dedup_key_text(text[s:e]).encode("utf-8") for s, e in spans]
