@@ -84,9 +84,11 @@ def close_task_executions(
     state: str,
     reason: str,
     map_index: int | None = None,
+    dag_id: str | None = None,
 ) -> list[int]:
     """Close the task's RUNNING executions in ``run_id`` with ``state`` (of one mapped task
-    instance when ``map_index`` is given); returns their ids.
+    instance when ``map_index`` is given); returns their ids. Nothing when the run id is
+    recorded for another DAG than ``dag_id`` (``RunIdConflict``: not this run's executions).
 
     An execution that ends itself between the read and the write keeps its own state.
     """
@@ -99,6 +101,15 @@ def close_task_executions(
     if store is None:
         return []
     try:
+        if not store.owns_run(run_id, dag_id):
+            log.warning(
+                "slipway listener: run id %s of DAG %s is recorded for %s: its executions are"
+                " not this task's to close",
+                run_id,
+                dag_id,
+                store.run_pipeline(run_id),
+            )
+            return []
         closed = []
         running = store.executions(run_id, state=ExecutionState.RUNNING)
         for ex in running:
@@ -198,6 +209,7 @@ def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Any)
         ExecutionState.FAILED,
         reason,
         map_index,
+        getattr(task_instance, "dag_id", None),
     )
 
 
@@ -216,6 +228,7 @@ def on_task_instance_success(previous_state: Any, task_instance: Any) -> None:
         ExecutionState.CANCELED,
         "task marked success from outside while this step was running",
         map_index,
+        getattr(task_instance, "dag_id", None),
     )
 
 
@@ -234,6 +247,7 @@ def on_task_instance_skipped(previous_state: Any, task_instance: Any) -> None:
         ExecutionState.CANCELED,
         "task skipped while this step was running",
         map_index,
+        getattr(task_instance, "dag_id", None),
     )
 
 
@@ -246,6 +260,16 @@ def _close_run(dag_run: Any, outcome: str, msg: Any) -> None:
     if store is None:
         return
     try:
+        dag_id = getattr(dag_run, "dag_id", None)
+        if not store.owns_run(run_id, dag_id):
+            log.warning(
+                "slipway listener: run id %s of DAG %s is recorded for %s: its executions are"
+                " not this run's to close",
+                run_id,
+                dag_id,
+                store.run_pipeline(run_id),
+            )
+            return
         n = store.cancel_running(run_id, f"DAG run ended ({outcome}: {msg}) with this step running")
         if n:
             log.info(

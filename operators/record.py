@@ -47,9 +47,12 @@ def run_task_states(context: Any) -> dict[str, str]:
     return {k: str(v) for k, v in states.items() if v is not None}
 
 
-def close_leftovers(store: Any, run_id: str, task_states: dict[str, str]) -> dict[str, int]:
+def close_leftovers(
+    store: Any, run_id: str, task_states: dict[str, str], pipeline: str | None = None
+) -> dict[str, int]:
     """Close the run's RUNNING executions: FAILED where Airflow says the task failed (its
-    process died before it could report), CANCELED otherwise. Counts by new state.
+    process died before it could report), CANCELED otherwise. Counts by new state. Nothing
+    when ``pipeline`` (the DAG id) does not own the run id (``RunIdConflict``).
 
     ``task_states`` as ``get_task_states`` gives them: a mapped task instance (a sweep cell)
     is ``<task_id>_<map_index>``, and its executions record their map index.
@@ -57,6 +60,8 @@ def close_leftovers(store: Any, run_id: str, task_states: dict[str, str]) -> dic
     from operators.lineage import ExecutionState
 
     closed = {"FAILED": 0, "CANCELED": 0}
+    if not store.owns_run(run_id, pipeline):
+        return closed
     for ex in store.executions(run_id, state=ExecutionState.RUNNING):
         props = ex.properties or {}
         task = props.get("task_id", ex.name.split("/", 1)[0])
@@ -171,7 +176,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         store = self.lineage_store()
         try:
             task_states = run_task_states(context)
-            closed = close_leftovers(store, run_id, task_states)
+            closed = close_leftovers(store, run_id, task_states, self.dag_id)
             try:
                 graph_run = store.run_graph(run_id)
                 executions = [node.execution for node in graph_run.steps]

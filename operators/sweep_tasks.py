@@ -372,7 +372,9 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
             # The night's last task: the executions of cells whose process was killed without
             # reporting (OOM, SIGKILL) are closed here, as the pipeline's ``record`` closes its
             # run's; sibling cells are told apart by their map index.
-            closed = close_leftovers(store, context.get("run_id"), run_task_states(context))
+            closed = close_leftovers(
+                store, context.get("run_id"), run_task_states(context), self.dag_id
+            )
             if any(closed.values()):
                 self.log.warning("closed executions that never reported their end: %s", closed)
             execution = store.start_execution(

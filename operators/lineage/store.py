@@ -111,6 +111,22 @@ class NotFound(LineageError, KeyError):
     pass
 
 
+class RunIdConflict(LineageError):
+    """A DAG run id already recorded for another pipeline. Lineage runs (and run folders) are
+    keyed by the Airflow run id alone, which Airflow keeps unique per DAG only: two DAGs whose
+    schedules fire at one instant, or backfills of one date, get the same id."""
+
+    @classmethod
+    def of(cls, run_id: str, owner: str, pipeline: str) -> RunIdConflict:
+        return cls(
+            f"run id {run_id!r} is already recorded for pipeline {owner!r}, not {pipeline!r}:"
+            " Slipway's lineage and run folders are keyed by the Airflow run id alone, so two"
+            " DAGs' runs must not share one. Give the DAGs schedules that never fire at the same"
+            " instant ($SLIPWAY_PIPELINE_SCHEDULE, $SLIPWAY_SWEEP_SCHEDULE), or trigger this one"
+            " with another run id"
+        )
+
+
 def sqlite_path(url: str) -> Path | None:
     """The file behind a ``sqlite:///`` URL (None for other databases and ``:memory:``)."""
     if not url.startswith("sqlite:///"):
@@ -727,11 +743,27 @@ class LineageStore:
             pipeline_id = _context(session, ContextType.PIPELINE, pipeline)
             ids.append(pipeline_id)
         if run_id:
+            if pipeline:
+                owner = self._pipelines_by_run(session, run_id).get(run_id)
+                if owner is not None and owner != pipeline:
+                    raise RunIdConflict.of(run_id, owner, pipeline)
             ids.append(_context(session, ContextType.DAG_RUN, run_id, pipeline_id, run_properties))
         # A step context spans runs: every execution (ran, cached, failed) of one step version.
         step_name = f"{name}-{step_version[:8]}" if step_version else name
         ids.append(_context(session, ContextType.STEP, step_name, pipeline_id))
         return ids
+
+    def run_pipeline(self, run_id: str) -> str | None:
+        """The pipeline (DAG id) that recorded run ``run_id``; None for a run not recorded, or
+        recorded without one."""
+        with self._read() as session:
+            return self._pipelines_by_run(session, run_id).get(run_id)
+
+    def owns_run(self, run_id: str, pipeline: str | None) -> bool:
+        """Whether ``pipeline``'s run ``run_id`` may act on the executions recorded under that
+        id: none recorded yet, or recorded by this pipeline (or without one)."""
+        owner = self.run_pipeline(run_id)
+        return owner is None or pipeline is None or owner == pipeline
 
     def _pipelines_by_run(self, session: Session, run_id: str | None = None) -> dict[str, str]:
         run = Context.__table__.alias("run")

@@ -15,6 +15,7 @@ from operators.lineage import (
     LineageConfigError,
     LineageStore,
     NotFound,
+    RunIdConflict,
     code_version,
     lineage_url,
 )
@@ -107,6 +108,28 @@ def test_contexts_associations_and_attributions(url):
             } <= contexts
             assert session.query(Association).filter_by(execution_id=ingest).count() == 3
             assert session.query(Attribution).count() > 0
+
+
+def test_a_run_id_belongs_to_the_pipeline_that_recorded_it_first(url):
+    """Airflow keeps run ids unique per DAG only (two DAGs scheduled at one instant share
+    ``scheduled__<date>``), and lineage runs are keyed by run id: a second DAG writing under
+    it is refused with a clear error instead of merging the two runs."""
+    with LineageStore(url) as store:
+        store.start_execution("fetch", run_id="scheduled__2026-12-06", pipeline="slipway_pipeline")
+        with pytest.raises(RunIdConflict, match="already recorded for pipeline 'slipway_pipeline'"):
+            store.start_execution(
+                "validate", run_id="scheduled__2026-12-06", pipeline="slipway_scaling_sweep"
+            )
+        assert store.run_pipeline("scheduled__2026-12-06") == "slipway_pipeline"
+        assert [e.name for e in store.executions("scheduled__2026-12-06")] == ["fetch"]  # no leak
+        assert store.owns_run("scheduled__2026-12-06", "slipway_pipeline")
+        assert not store.owns_run("scheduled__2026-12-06", "slipway_scaling_sweep")
+        assert store.owns_run("scheduled__2026-12-06", None)  # tools without a pipeline
+        assert store.owns_run("never-recorded", "slipway_scaling_sweep")
+        # the same pipeline, and writers that name none, keep writing to it
+        store.start_execution("train", run_id="scheduled__2026-12-06", pipeline="slipway_pipeline")
+        store.start_execution("note", run_id="scheduled__2026-12-06")
+        assert len(store.executions("scheduled__2026-12-06")) == 3
 
 
 def test_cached_canceled_and_running_states(url):

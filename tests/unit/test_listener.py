@@ -160,6 +160,25 @@ def test_step_executions_record_their_map_index(store):
     assert "map_index" not in recorded[-1]
 
 
+def test_another_dags_run_with_the_same_run_id_closes_nothing(store, caplog):
+    """A run id that two DAGs share (schedules firing at one instant) is recorded for the
+    first; the other's failing tasks and run end must not close its executions, nor may its
+    ``record`` / ``check``."""
+    from operators.record import close_leftovers
+
+    train = start(store, "train", task_id="train")  # slipway_pipeline's run r1
+    sweep = "slipway_scaling_sweep"
+    with caplog.at_level(logging.WARNING, logger="operators.listener"):
+        listener.on_task_instance_failed(None, FakeTaskInstance("r1", "train", dag_id=sweep), "x")
+        listener.on_dag_run_failed(FakeDagRun("r1", dag_id=sweep), "failed")
+    assert state(store, train) == ExecutionState.RUNNING
+    assert close_leftovers(store, "r1", {"train": "failed"}, sweep) == {"FAILED": 0, "CANCELED": 0}
+    assert state(store, train) == ExecutionState.RUNNING
+    assert "recorded for slipway_pipeline" in caplog.text
+    listener.on_dag_run_failed(FakeDagRun("r1"), "failed")  # its own DAG's run end does
+    assert state(store, train) == ExecutionState.CANCELED
+
+
 def test_a_task_that_reported_itself_is_left_alone(store):
     ex = start(store, "train", task_id="train")
     store.finish_execution(ex, ExecutionState.FAILED, error="RuntimeError: NaN loss")
