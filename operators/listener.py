@@ -107,7 +107,7 @@ def close_task_executions(
                 " not this task's to close",
                 run_id,
                 dag_id,
-                store.run_pipeline(run_id),
+                ", ".join(sorted(store.run_owners(run_id))),
             )
             return []
         closed = []
@@ -267,7 +267,7 @@ def _close_run(dag_run: Any, outcome: str, msg: Any) -> None:
                 " not this run's to close",
                 run_id,
                 dag_id,
-                store.run_pipeline(run_id),
+                ", ".join(sorted(store.run_owners(run_id))),
             )
             return
         n = store.cancel_running(run_id, f"DAG run ended ({outcome}: {msg}) with this step running")

@@ -171,6 +171,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         from operators.steps import probe
         from trainer.rundir import last_checkpoint
 
+        self.require_run_owned(context)  # before reading or writing anything of the run
         run_id = context.get("run_id")
         root = self.steps_root()
         store = self.lineage_store()

@@ -211,6 +211,7 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
             preregister,
         )
 
+        self.require_run_owned(context)  # all_done: runs even after validate refused the run
         params = self.run_params(context)
         graph = self.step_graph(context)
         root = self.steps_root()
@@ -362,6 +363,8 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         from operators.settings import run_folder, write_run_file
         from operators.sweep.outcomes import check_forecast
         from trainer.rundir import read_json
+
+        self.require_run_owned(context)  # all_done: runs even after validate refused the run
 
         record = read_json(join(run_folder(context.get("run_id")), SWEEP_RESULT)) or {}
         forecasts = record.get("forecasts") or []

@@ -31,7 +31,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from operators.lineage import LineageStore, NotFound
 from operators.reports import URL_PREFIX, pages
-from operators.reports.plots import DPI, SIZE_IN, loss_png
+from operators.reports.plots import DPI, PLOT_VERSION, SIZE_IN, loss_png
 from operators.reports.static import report_path
 from operators.reports.view import loss_curve, run_view
 
@@ -110,9 +110,17 @@ _LOSS_PNGS_LOCK = threading.Lock()
 
 
 def _loss_etag(points: list[tuple[int, float]]) -> str:
-    """The plot's ETag: the curve and the drawing's size, so a changed log or plot differs."""
-    digest = hashlib.sha256(repr((points, SIZE_IN, DPI)).encode()).hexdigest()
+    """The plot's ETag: the curve, the drawing's size and ``PLOT_VERSION``, so a new line in
+    the log, or a plot drawn differently, is a new tag."""
+    digest = hashlib.sha256(repr((points, SIZE_IN, DPI, PLOT_VERSION)).encode()).hexdigest()
     return f'"{digest[:32]}"'
+
+
+def _etag_matches(if_none_match: str, etag: str) -> bool:
+    """``If-None-Match`` against our tag by HTTP's weak comparison: a proxy may hand back our
+    tag as ``W/"..."``; ``*`` matches any."""
+    tags = (tag.strip() for tag in if_none_match.split(","))
+    return any(tag == "*" or tag.removeprefix("W/") == etag for tag in tags)
 
 
 def _cached_loss_png(etag: str, points: list[tuple[int, float]]) -> bytes:
@@ -140,7 +148,7 @@ def loss(request: Request, run_id: str) -> Response:
     points = loss_curve(view.training)
     etag = _loss_etag(points)
     headers = {**PNG_HEADERS, "ETag": etag}
-    if etag in (t.strip() for t in request.headers.get("if-none-match", "").split(",")):
+    if _etag_matches(request.headers.get("if-none-match", ""), etag):
         return Response(status_code=304, headers=headers)
     return Response(_cached_loss_png(etag, points), media_type="image/png", headers=headers)
 

@@ -743,27 +743,38 @@ class LineageStore:
             pipeline_id = _context(session, ContextType.PIPELINE, pipeline)
             ids.append(pipeline_id)
         if run_id:
-            if pipeline:
-                owner = self._pipelines_by_run(session, run_id).get(run_id)
-                if owner is not None and owner != pipeline:
-                    raise RunIdConflict.of(run_id, owner, pipeline)
-            ids.append(_context(session, ContextType.DAG_RUN, run_id, pipeline_id, run_properties))
+            run = _context(session, ContextType.DAG_RUN, run_id, None, run_properties)
+            if pipeline_id is not None:
+                # The run's row locked before its owners are read: of two DAGs starting under
+                # one fresh id at once, the second waits for the first's link and is refused.
+                session.execute(select(Context.id).where(Context.id == run).with_for_update())
+                owners = _run_owners(session, run_id)
+                if owners and pipeline not in owners:
+                    raise RunIdConflict.of(run_id, ", ".join(sorted(owners)), str(pipeline))
+                _insert_ignore(
+                    session,
+                    ContextParent,
+                    {"child_id": run, "parent_id": pipeline_id},
+                    ("child_id", "parent_id"),
+                )
+            ids.append(run)
         # A step context spans runs: every execution (ran, cached, failed) of one step version.
         step_name = f"{name}-{step_version[:8]}" if step_version else name
         ids.append(_context(session, ContextType.STEP, step_name, pipeline_id))
         return ids
 
-    def run_pipeline(self, run_id: str) -> str | None:
-        """The pipeline (DAG id) that recorded run ``run_id``; None for a run not recorded, or
-        recorded without one."""
+    def run_owners(self, run_id: str) -> set[str]:
+        """The pipelines (DAG ids) that recorded run ``run_id``: one, or none for a run not
+        recorded (or recorded without one); several only for runs merged before
+        ``RunIdConflict`` existed."""
         with self._read() as session:
-            return self._pipelines_by_run(session, run_id).get(run_id)
+            return _run_owners(session, run_id)
 
     def owns_run(self, run_id: str, pipeline: str | None) -> bool:
         """Whether ``pipeline``'s run ``run_id`` may act on the executions recorded under that
         id: none recorded yet, or recorded by this pipeline (or without one)."""
-        owner = self.run_pipeline(run_id)
-        return owner is None or pipeline is None or owner == pipeline
+        owners = self.run_owners(run_id)
+        return not owners or pipeline is None or pipeline in owners
 
     def _pipelines_by_run(self, session: Session, run_id: str | None = None) -> dict[str, str]:
         run = Context.__table__.alias("run")
@@ -777,6 +788,24 @@ class LineageStore:
         if run_id is not None:
             query = query.where(run.c.name == run_id)
         return dict(session.execute(query).tuples().all())
+
+
+def _run_owners(session: Session, run_id: str) -> set[str]:
+    """The pipelines linked to run ``run_id``'s context."""
+    run = Context.__table__.alias("run")
+    pipe = Context.__table__.alias("pipe")
+    query = (
+        select(pipe.c.name)
+        .select_from(run)
+        .join(ContextParent, ContextParent.child_id == run.c.id)
+        .join(pipe, pipe.c.id == ContextParent.parent_id)
+        .where(
+            run.c.type == str(ContextType.DAG_RUN),
+            run.c.name == run_id,
+            pipe.c.type == str(ContextType.PIPELINE),
+        )
+    )
+    return set(session.scalars(query).all())
 
 
 # -- writing helpers (inside a transaction) ---------------------------------------------------------

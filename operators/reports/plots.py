@@ -9,6 +9,9 @@ from collections.abc import Sequence
 
 SIZE_IN = (7.0, 3.2)
 DPI = 100
+# Bump when ``loss_png`` draws differently: the run page's plot ETag (operators/ui.py), and so
+# browsers' and the app's kept copies, follow it.
+PLOT_VERSION = 1
 
 
 def loss_png(points: Sequence[tuple[int, float]], title: str = "training loss") -> bytes:

@@ -120,7 +120,7 @@ def test_a_run_id_belongs_to_the_pipeline_that_recorded_it_first(url):
             store.start_execution(
                 "validate", run_id="scheduled__2026-12-06", pipeline="slipway_scaling_sweep"
             )
-        assert store.run_pipeline("scheduled__2026-12-06") == "slipway_pipeline"
+        assert store.run_owners("scheduled__2026-12-06") == {"slipway_pipeline"}
         assert [e.name for e in store.executions("scheduled__2026-12-06")] == ["fetch"]  # no leak
         assert store.owns_run("scheduled__2026-12-06", "slipway_pipeline")
         assert not store.owns_run("scheduled__2026-12-06", "slipway_scaling_sweep")
@@ -130,6 +130,34 @@ def test_a_run_id_belongs_to_the_pipeline_that_recorded_it_first(url):
         store.start_execution("train", run_id="scheduled__2026-12-06", pipeline="slipway_pipeline")
         store.start_execution("note", run_id="scheduled__2026-12-06")
         assert len(store.executions("scheduled__2026-12-06")) == 3
+        # a run first recorded without a pipeline is claimed by the first that names one
+        store.start_execution("fetch", run_id="manual__2")
+        store.start_execution("fetch", run_id="manual__2", pipeline="slipway_scaling_sweep")
+        with pytest.raises(RunIdConflict):
+            store.start_execution("fetch", run_id="manual__2", pipeline="slipway_pipeline")
+
+
+def test_a_run_merged_before_the_guard_keeps_both_owners(url):
+    """Runs that two pipelines recorded before run ids were guarded: each may still write to
+    and close its own, and a third is refused."""
+    from operators.lineage.schema import ContextParent
+
+    with LineageStore(url) as store:
+        store.start_execution("fetch", run_id="r", pipeline="a")
+        store.start_execution("fetch", run_id="r2", pipeline="b")  # makes pipeline b's context
+
+        def merge(session) -> None:  # what an unguarded second DAG's first write left behind
+            run = session.query(Context).filter_by(type="dag_run", name="r").one()
+            b = session.query(Context).filter_by(type="pipeline", name="b").one()
+            session.add(ContextParent(child_id=run.id, parent_id=b.id))
+
+        store._transact(merge)
+        assert store.run_owners("r") == {"a", "b"}
+        assert store.owns_run("r", "a") and store.owns_run("r", "b")
+        store.start_execution("train", run_id="r", pipeline="a")
+        store.start_execution("train", run_id="r", pipeline="b")
+        with pytest.raises(RunIdConflict, match="'a, b'"):
+            store.start_execution("train", run_id="r", pipeline="c")
 
 
 def test_cached_canceled_and_running_states(url):

@@ -297,6 +297,23 @@ def test_record_summarises_a_failed_run(home, params, monkeypatch):
         record.execute(_context(params, "run-f"))
 
 
+def test_record_refuses_a_run_id_another_dag_recorded(home, params):
+    """``record`` runs ``all_done``, even after the run's first task was refused because
+    another DAG owns the run id: it must neither summarize nor write into that run."""
+    from operators.lineage import ExecutionState, RunIdConflict
+    from operators.record import RecordRunOperator
+    from operators.settings import run_folder
+
+    with _store(home) as store:
+        other = store.start_execution("fetch", run_id="shared", pipeline="slipway_scaling_sweep")
+    with pytest.raises(RunIdConflict, match="'slipway_scaling_sweep'"):
+        RecordRunOperator().execute(_context(params, "shared"))
+    assert not Path(run_folder("shared"), "summary.json").exists()
+    with _store(home) as store:
+        assert store.execution(other).state == ExecutionState.RUNNING  # not closed by record
+        assert [e.name for e in store.executions("shared")] == ["fetch"]
+
+
 def test_jobset_hook_backends():
     from operators.hooks.jobset import BackendUnavailable, JobSetHook
 

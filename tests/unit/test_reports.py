@@ -211,10 +211,19 @@ def test_the_loss_plot_is_drawn_once_per_curve_and_revalidated_by_etag(client, s
     assert first.status_code == 200 and first.content == b"\x89PNG fake" and len(drawn) == 1
     again = client.get("/runs/good/loss.png", headers={"If-None-Match": f'"other", {etag}'})
     assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag
-    assert client.get("/runs/good/loss.png").content == b"\x89PNG fake" and len(drawn) == 1
+    for header in (f"W/{etag}", "*"):  # a proxy's weakened tag; any
+        assert (
+            client.get("/runs/good/loss.png", headers={"If-None-Match": header}).status_code == 304
+        )
+    assert client.get("/runs/good/loss.png", headers={"If-None-Match": '"x"'}).status_code == 200
+    monkeypatch.setattr(ui, "PLOT_VERSION", ui.PLOT_VERSION + 1)  # the plot drawn differently
+    assert client.get("/runs/good/loss.png").headers["etag"] != etag
+    monkeypatch.setattr(ui, "PLOT_VERSION", ui.PLOT_VERSION - 1)
+    assert client.get("/runs/good/loss.png").content == b"\x89PNG fake"
+    assert len(drawn) == 2  # drawn again once, for the new version's tag
     log = run_view(store.run_graph("good")).training.output_dir + "/metrics.jsonl"
     with open(log, "a") as f:
         f.write(json.dumps({"step": 99, "loss": 1.5}) + "\n")
     grown = client.get("/runs/good/loss.png", headers={"If-None-Match": etag})
-    assert grown.status_code == 200 and grown.headers["etag"] != etag and len(drawn) == 2
-    assert drawn[1][-1] == (99, 1.5)
+    assert grown.status_code == 200 and grown.headers["etag"] != etag and len(drawn) == 3
+    assert drawn[2][-1] == (99, 1.5)
