@@ -77,6 +77,25 @@ def _belongs_to(
     return recorded is None or try_number is None or recorded == try_number
 
 
+def _another_dags_run(store: Any, run_id: str, dag_id: str | None) -> bool:
+    """True (and a warning) when ``run_id`` is recorded for another DAG than ``dag_id``
+    (``RunIdConflict``): its executions are not this DAG's to close."""
+    from operators.lineage import RunIdConflict
+
+    try:
+        store.require_owner(run_id, dag_id)
+    except RunIdConflict as conflict:
+        log.warning(
+            "slipway listener: run id %s of DAG %s is recorded for %s: its executions are not"
+            " this DAG's to close",
+            run_id,
+            dag_id,
+            conflict.owner,
+        )
+        return True
+    return False
+
+
 def close_task_executions(
     run_id: str | None,
     task_id: str | None,
@@ -101,14 +120,7 @@ def close_task_executions(
     if store is None:
         return []
     try:
-        if not store.owns_run(run_id, dag_id):
-            log.warning(
-                "slipway listener: run id %s of DAG %s is recorded for %s: its executions are"
-                " not this task's to close",
-                run_id,
-                dag_id,
-                ", ".join(sorted(store.run_owners(run_id))),
-            )
+        if _another_dags_run(store, run_id, dag_id):
             return []
         closed = []
         running = store.executions(run_id, state=ExecutionState.RUNNING)
@@ -260,15 +272,7 @@ def _close_run(dag_run: Any, outcome: str, msg: Any) -> None:
     if store is None:
         return
     try:
-        dag_id = getattr(dag_run, "dag_id", None)
-        if not store.owns_run(run_id, dag_id):
-            log.warning(
-                "slipway listener: run id %s of DAG %s is recorded for %s: its executions are"
-                " not this run's to close",
-                run_id,
-                dag_id,
-                ", ".join(sorted(store.run_owners(run_id))),
-            )
+        if _another_dags_run(store, run_id, getattr(dag_run, "dag_id", None)):
             return
         n = store.cancel_running(run_id, f"DAG run ended ({outcome}: {msg}) with this step running")
         if n:

@@ -171,11 +171,13 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         from operators.steps import probe
         from trainer.rundir import last_checkpoint
 
-        self.require_run_owned(context)  # before reading or writing anything of the run
         run_id = context.get("run_id")
         root = self.steps_root()
         store = self.lineage_store()
         try:
+            # Before reading or writing anything of the run: record runs all_done, even after
+            # validate refused a run id another DAG owns (RunIdConflict).
+            store.require_owner(run_id, self.dag_id)
             task_states = run_task_states(context)
             closed = close_leftovers(store, run_id, task_states, self.dag_id)
             try:

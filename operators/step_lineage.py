@@ -177,18 +177,14 @@ class StepLineageMixin:
         """Raise ``RunIdConflict`` when another DAG recorded this run id first (docs/
         steps_and_lineage.md). For ``all_done`` tasks, which run even after the run's first
         task was refused: they must not read or write the other DAG's run."""
-        from operators.lineage import RunIdConflict
-
         run_id = context.get("run_id")
         if not run_id:
             return
         store = self.lineage_store()
         try:
-            owners = store.run_owners(run_id)
+            store.require_owner(run_id, self.dag_id)
         finally:
             store.close()
-        if owners and self.dag_id not in owners:
-            raise RunIdConflict.of(run_id, ", ".join(sorted(owners)), str(self.dag_id))
 
     @staticmethod
     def run_params(context: Mapping[str, Any]) -> dict[str, Any]:

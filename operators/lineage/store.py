@@ -116,15 +116,29 @@ class RunIdConflict(LineageError):
     keyed by the Airflow run id alone, which Airflow keeps unique per DAG only: two DAGs whose
     schedules fire at one instant, or backfills of one date, get the same id."""
 
+    run_id: str
+    owner: str  # the pipeline(s) that recorded it, comma-separated
+    pipeline: str  # the one refused
+
+    @classmethod
+    def check(cls, run_id: str, owners: set[str], pipeline: str | None) -> None:
+        """Raise when ``pipeline`` may not write under ``run_id``, whose ``owners`` are the
+        pipelines that recorded it (none yet, or ``pipeline`` among them: it may; a writer
+        that names no pipeline always may)."""
+        if owners and pipeline is not None and pipeline not in owners:
+            raise cls.of(run_id, ", ".join(sorted(owners)), pipeline)
+
     @classmethod
     def of(cls, run_id: str, owner: str, pipeline: str) -> RunIdConflict:
-        return cls(
+        conflict = cls(
             f"run id {run_id!r} is already recorded for pipeline {owner!r}, not {pipeline!r}:"
             " Slipway's lineage and run folders are keyed by the Airflow run id alone, so two"
             " DAGs' runs must not share one. Give the DAGs schedules that never fire at the same"
             " instant ($SLIPWAY_PIPELINE_SCHEDULE, $SLIPWAY_SWEEP_SCHEDULE), or trigger this one"
             " with another run id"
         )
+        conflict.run_id, conflict.owner, conflict.pipeline = run_id, owner, pipeline
+        return conflict
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -748,9 +762,7 @@ class LineageStore:
                 # The run's row locked before its owners are read: of two DAGs starting under
                 # one fresh id at once, the second waits for the first's link and is refused.
                 session.execute(select(Context.id).where(Context.id == run).with_for_update())
-                owners = _run_owners(session, run_id)
-                if owners and pipeline not in owners:
-                    raise RunIdConflict.of(run_id, ", ".join(sorted(owners)), str(pipeline))
+                RunIdConflict.check(run_id, _run_owners(session, run_id), pipeline)
                 _insert_ignore(
                     session,
                     ContextParent,
@@ -770,42 +782,41 @@ class LineageStore:
         with self._read() as session:
             return _run_owners(session, run_id)
 
+    def require_owner(self, run_id: str, pipeline: str | None) -> None:
+        """``RunIdConflict`` unless ``pipeline``'s run ``run_id`` may act on the executions
+        recorded under that id: none recorded yet, or recorded by this pipeline (or without
+        one)."""
+        RunIdConflict.check(run_id, self.run_owners(run_id), pipeline)
+
     def owns_run(self, run_id: str, pipeline: str | None) -> bool:
-        """Whether ``pipeline``'s run ``run_id`` may act on the executions recorded under that
-        id: none recorded yet, or recorded by this pipeline (or without one)."""
-        owners = self.run_owners(run_id)
-        return not owners or pipeline is None or pipeline in owners
+        """:meth:`require_owner` as a boolean."""
+        try:
+            self.require_owner(run_id, pipeline)
+        except RunIdConflict:
+            return False
+        return True
 
     def _pipelines_by_run(self, session: Session, run_id: str | None = None) -> dict[str, str]:
-        run = Context.__table__.alias("run")
-        pipe = Context.__table__.alias("pipe")
-        query = (
-            select(run.c.name, pipe.c.name)
-            .join(ContextParent, ContextParent.child_id == run.c.id)
-            .join(pipe, pipe.c.id == ContextParent.parent_id)
-            .where(run.c.type == str(ContextType.DAG_RUN), pipe.c.type == str(ContextType.PIPELINE))
-        )
-        if run_id is not None:
-            query = query.where(run.c.name == run_id)
-        return dict(session.execute(query).tuples().all())
+        return dict(session.execute(_run_pipelines(run_id)).tuples().all())
+
+
+def _run_pipelines(run_id: str | None = None) -> Any:
+    """(run id, pipeline) of every link from a run context to its pipeline (one run's with
+    ``run_id``)."""
+    run = Context.__table__.alias("run")
+    pipe = Context.__table__.alias("pipe")
+    query = (
+        select(run.c.name, pipe.c.name)
+        .join(ContextParent, ContextParent.child_id == run.c.id)
+        .join(pipe, pipe.c.id == ContextParent.parent_id)
+        .where(run.c.type == str(ContextType.DAG_RUN), pipe.c.type == str(ContextType.PIPELINE))
+    )
+    return query if run_id is None else query.where(run.c.name == run_id)
 
 
 def _run_owners(session: Session, run_id: str) -> set[str]:
     """The pipelines linked to run ``run_id``'s context."""
-    run = Context.__table__.alias("run")
-    pipe = Context.__table__.alias("pipe")
-    query = (
-        select(pipe.c.name)
-        .select_from(run)
-        .join(ContextParent, ContextParent.child_id == run.c.id)
-        .join(pipe, pipe.c.id == ContextParent.parent_id)
-        .where(
-            run.c.type == str(ContextType.DAG_RUN),
-            run.c.name == run_id,
-            pipe.c.type == str(ContextType.PIPELINE),
-        )
-    )
-    return set(session.scalars(query).all())
+    return {pipeline for _, pipeline in session.execute(_run_pipelines(run_id))}
 
 
 # -- writing helpers (inside a transaction) ---------------------------------------------------------

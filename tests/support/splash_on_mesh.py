@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import trainer.distributed as dist
 import trainer.kernels as kernels
+from tests.support.trainer_data import attention_inputs
 from trainer.config import MeshConfig
-from trainer.model import segments_and_positions
 
 LAYOUTS = [
     # (mesh axes, query heads, kv heads): meshes as the trainer makes them (all four axes)
@@ -37,13 +37,7 @@ LAYOUTS = [
 
 
 def check(axes: dict[str, int], h: int, kv_heads: int, kind: str = "trainer") -> dict:
-    b, s, hd = 4, 256, 64
-    keys = jax.random.split(jax.random.key(3), 4)
-    q = jax.random.normal(keys[0], (b, s, h, hd))
-    k, v = (jax.random.normal(kk, (b, s, kv_heads, hd)) for kk in keys[1:3])
-    ct = jax.random.normal(keys[3], (b, s, h, hd))
-    toks = jax.random.randint(jax.random.key(4), (b, s), 1, 20).at[:, ::37].set(0)
-    seg, _ = segments_and_positions(toks, 0)
+    q, k, v, ct, seg = attention_inputs(4, 256, h, kv_heads, 64, seed=3)
 
     def loss(impl: str):
         def f(q, k, v, seg):

@@ -155,3 +155,20 @@ def traced_meshes(monkeypatch) -> list[tuple[str, ...]]:
 
     monkeypatch.setattr(model, "attention", attention)
     return seen
+
+
+def attention_inputs(b: int, s: int, h: int, kv_heads: int, hd: int, seed: int) -> tuple:
+    """Random q (B, S, H, hd), k and v (B, S, K, hd), an output cotangent like q, and the (B, S)
+    segment ids of packed documents (an EOS every 37 tokens): what the attention tests feed
+    each implementation. Keys ``seed`` (arrays) and ``seed + 1`` (tokens)."""
+    import jax
+
+    from trainer.model import segments_and_positions
+
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, s, h, hd))
+    k, v = (jax.random.normal(kk, (b, s, kv_heads, hd)) for kk in keys[1:3])
+    ct = jax.random.normal(keys[3], (b, s, h, hd))
+    toks = jax.random.randint(jax.random.key(seed + 1), (b, s), 1, 20).at[:, ::37].set(0)
+    seg, _ = segments_and_positions(toks, 0)
+    return q, k, v, ct, seg

@@ -288,14 +288,10 @@ def test_splash_attention_matches_blocked_in_interpret_mode(monkeypatch, kv_head
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     import trainer.kernels as kernels
+    from tests.support.trainer_data import attention_inputs
 
-    b, s, h, hd = 2, 256, 4, 64
-    keys = jax.random.split(jax.random.key(12), 4)
-    q = jax.random.normal(keys[0], (b, s, h, hd))
-    k, v = (jax.random.normal(kk, (b, s, kv_heads, hd)) for kk in keys[1:3])
-    ct = jax.random.normal(keys[3], (b, s, h, hd))
-    toks = jax.random.randint(jax.random.key(13), (b, s), 1, 20).at[:, ::37].set(0)
-    seg, _ = segments_and_positions(toks, 0)
+    s = 256
+    q, k, v, ct, seg = attention_inputs(2, s, 4, kv_heads, 64, seed=12)
 
     def run(impl):
         def f(q, k, v):
