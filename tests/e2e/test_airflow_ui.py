@@ -98,7 +98,9 @@ def _the_run_report(af, page, run_id: str, states: dict, nodes: dict) -> None:
     shutil.rmtree(shots, ignore_errors=True)
     with step(page, "6-the-slipway-entry", shots):
         page.goto(af.url)
-        page.get_by_role("link", name="Slipway").first.click()
+        # exact: the home page also links assets such as "slipway://models/...", and the plugin's
+        # nav entry renders after them (Airflow loads plugins asynchronously)
+        page.get_by_role("link", name="Slipway", exact=True).first.click()
         # The entry embeds the pages (an external view); open them at their own address.
         frame = page.frame_locator("iframe").first
         frame.locator("table#runs").wait_for()
