@@ -68,7 +68,8 @@ class ModelConfig:
     # accelerators up to 16 layers (model.UNROLL_MAX_LAYERS_ACCELERATOR), scan deeper ones there
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # attention kernel (trainer/kernels.py): "auto" = the CPU-tuned blocked path on CPU,
-    # cuDNN flash attention on GPU (16-bit), XLA's fused attention on TPU; or one of
+    # cuDNN flash attention on GPU (16-bit), splash attention on TPU when the sequence is a
+    # multiple of 128 (else XLA's); or one of
     # "blocked", "xla", "cudnn", "splash" (Pallas, TPU)
     attention: Literal["auto", "blocked", "xla", "cudnn", "splash"] = "auto"
 

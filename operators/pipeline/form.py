@@ -71,7 +71,6 @@ def _demo_stage_configs() -> dict[str, Any]:
     """The data plane's per-stage defaults (``pipelines/demo_config.json``), read as a file.
 
     Found through the import system without importing ``pipelines`` (parse time stays light).
-    The tokenizer vocabulary is made small: the default run trains a nano model.
     """
     spec = find_spec("pipelines")
     configs: dict[str, Any] = {}
@@ -79,9 +78,7 @@ def _demo_stage_configs() -> dict[str, Any]:
         path = Path(next(iter(spec.submodule_search_locations))) / "demo_config.json"
         if path.exists():
             configs = json.loads(path.read_text())
-    configs = {stage: dict(configs.get(stage, {})) for stage in STAGES}
-    configs["train_tokenizer"].setdefault("vocab_size", 2048)
-    return configs
+    return {stage: dict(configs.get(stage, {})) for stage in STAGES}
 
 
 # The form's training defaults a platform deploy sets (charts/slipway ConfigMap keys): form
