@@ -43,7 +43,7 @@ from jax import Array
 
 from tokenstore import TokenStore
 from trainer import distributed as dist
-from trainer import hostmem, rundir
+from trainer import hostmem, rundir, vector_width
 from trainer.config import ConfigError, TrainConfig, load_config
 from trainer.kernels import loss_chunk, token_nll
 from trainer.model import Batch, Transformer, jit_document_batch
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     hostmem.keep_step_memory_warm()  # before any JAX backend starts (CPU runs only)
+    vector_width.prefer_host_vector_width()  # likewise (AVX-512 CPUs only)
     try:
         cfg = _load(args)
         stores = args.store or ([] if args.tasks else [s.path for s in cfg.data.eval_sources])

@@ -39,7 +39,7 @@ from jax import Array
 from tokenstore import TokenStore
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist
-from trainer import hostmem, kernels, rundir
+from trainer import hostmem, kernels, rundir, vector_width
 from trainer.config import (
     ConfigError,
     ModelConfig,
@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     hostmem.keep_step_memory_warm()  # before any JAX backend starts (CPU runs only)
+    vector_width.prefer_host_vector_width()  # likewise (AVX-512 CPUs only)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as e:

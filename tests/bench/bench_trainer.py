@@ -31,7 +31,7 @@ import pytest
 
 from tests.support.trainer_data import write_random_store
 from trainer import checkpoint as ckpt
-from trainer import hostmem
+from trainer import hostmem, vector_width
 from trainer.config import load_config
 from trainer.model import unroll_layers
 from trainer.shapes import flops_per_token, param_count
@@ -299,8 +299,10 @@ def bench_preset(
 
 
 def run(steps: int = 10, rounds: int = 6, compute_steps: int = 30, shapes: str = "30m,75m") -> dict:
-    # what `python -m trainer.train` does first on a CPU-only machine (trainer/hostmem.py)
+    # what `python -m trainer.train` does first on a CPU-only machine (trainer/hostmem.py,
+    # trainer/vector_width.py)
     warm = hostmem.keep_step_memory_warm()
+    wide = vector_width.prefer_host_vector_width()
     peak = Peak()
     peak.sample(1.0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -318,6 +320,7 @@ def run(steps: int = 10, rounds: int = 6, compute_steps: int = 30, shapes: str =
         "vocab": VOCAB,
         "save_every": SAVE_EVERY,
         "malloc_kept_warm": warm,
+        "vector_width_512": wide,
         "presets": rows,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -328,7 +331,8 @@ def table(r: dict) -> str:
         f"jnp.dot peak (1024^2 f32, sampled before every timed step): median "
         f"{r['matmul_peak_gflops_median']:.0f}, max {r['matmul_peak_gflops_max']:.0f} GFLOP/s; "
         f"peak RSS {r['peak_rss_mib']:.0f} MiB; vocab {r['vocab']}; "
-        f"malloc kept warm (trainer/hostmem.py): {r['malloc_kept_warm']}",
+        f"malloc kept warm (trainer/hostmem.py): {r['malloc_kept_warm']}; "
+        f"512-bit vectors (trainer/vector_width.py): {r.get('vector_width_512')}",
         "",
         "| shape (seq x batch) | params | FLOPs/token | tokens/s | MFU (median step, p25-p75) "
         "| MFU (best step / best peak) | page faults / step "

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_trainer import SHAPES, VOCAB, MatmulPeak, Peak, preset_config
 
 from tests.support.trainer_data import write_random_store
-from trainer import hostmem
+from trainer import hostmem, vector_width
 from trainer.shapes import flops_per_token, param_count
 from trainer.train import BatchFeeder, setup
 
@@ -269,7 +269,11 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     hostmem.keep_step_memory_warm()  # as the trainer and bench_trainer.py do on a CPU
-    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), jax {jax.__version__}")
+    wide = vector_width.prefer_host_vector_width()
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), jax {jax.__version__}, "
+        f"XLA:CPU 512-bit vectors (trainer/vector_width.py): {wide}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         store = f"{tmp}/store"
         write_random_store(store, vocab_size=VOCAB, num_docs=3000)
