@@ -26,6 +26,7 @@ import sentencepiece as spm
 from tests.support.trainer_data import stdlib_texts
 from trainer import export as ex
 from trainer import generate as gen
+from trainer import hf_tokenizer as hft
 from trainer.checkpoint import Checkpointer
 from trainer.config import ModelConfig, MoEConfig, resolve_model
 from trainer.model import Transformer, init_model
@@ -116,15 +117,15 @@ def run(tmp_path_factory) -> tuple[str, Transformer]:
 
 def test_protobuf_reader_matches_sentencepiece(tok):
     data = Path(tok).read_bytes()
-    model = ex.parse_sentencepiece(data)
+    model = hft.parse_sentencepiece(data)
     sp = spm.SentencePieceProcessor(model_proto=data)
     assert model.vocab_size == sp.vocab_size() == VOCAB
     for i, p in enumerate(model.pieces):
         assert p.piece == sp.id_to_piece(i)
         assert p.score == pytest.approx(sp.get_score(i))
-        assert (p.type == ex.BYTE) == sp.is_byte(i)
-        assert (p.type == ex.CONTROL) == sp.is_control(i)
-        assert (p.type == ex.UNKNOWN) == sp.is_unknown(i)
+        assert (p.type == hft.BYTE) == sp.is_byte(i)
+        assert (p.type == hft.CONTROL) == sp.is_control(i)
+        assert (p.type == hft.UNKNOWN) == sp.is_unknown(i)
     assert (model.pad_id, model.unk_id, model.bos_id, model.eos_id) == (0, 1, 2, 3)
     assert model.model_type == "bpe" and model.byte_fallback
     assert not model.add_dummy_prefix and not model.remove_extra_whitespaces
@@ -133,7 +134,7 @@ def test_protobuf_reader_matches_sentencepiece(tok):
 
 def test_tokenizer_json_encodes_as_sentencepiece(tok):
     data = Path(tok).read_bytes()
-    files = ex.tokenizer_files(ex.parse_sentencepiece(data))
+    files = hft.tokenizer_files(hft.parse_sentencepiece(data))
     body = files["tokenizer.json"]
     assert body["pre_tokenizer"] is None and body["post_processor"] is None
     assert body["model"]["type"] == "BPE" and body["model"]["byte_fallback"]
@@ -158,11 +159,11 @@ def test_tokenizer_json_encodes_as_sentencepiece(tok):
 
 
 def test_tokenizer_refusals(tmp_path):
-    sp = ex.parse_sentencepiece(Path(_dummy_prefix_spm(tmp_path)).read_bytes())
-    with pytest.raises(ex.ExportError, match="remove_extra_whitespaces"):
-        ex.check_tokenizer(sp)
-    with pytest.raises(ex.ExportError, match="not a sentencepiece model"):
-        ex.parse_sentencepiece(b"\x0f\x00garbage")
+    sp = hft.parse_sentencepiece(Path(_dummy_prefix_spm(tmp_path)).read_bytes())
+    with pytest.raises(hft.TokenizerError, match="remove_extra_whitespaces"):
+        hft.check_tokenizer(sp)
+    with pytest.raises(hft.TokenizerError, match="not a sentencepiece model"):
+        hft.parse_sentencepiece(b"\x0f\x00garbage")
 
 
 def _dummy_prefix_spm(tmp_path: Path) -> str:
@@ -297,6 +298,13 @@ def test_refuses_vocabulary_mismatch(run, tmp_path, capsys):
         capsys,
         ["--config", config, "--tokenizer", str(tmp_path / "none.model"), "--out", "x"],
         "no file at",
+    )
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"\x0f\x00garbage")  # hf_tokenizer's refusal, through the CLI
+    _refused(
+        capsys,
+        ["--config", config, "--tokenizer", str(garbage), "--out", "x"],
+        "tokenizer: not a sentencepiece model",
     )
 
 
