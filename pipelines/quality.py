@@ -70,6 +70,24 @@ DUPLICATE_NGRAM_SIZES = (5, 6, 7, 8, 9, 10)
 # are rare in text, so counting them is cheaper than counting their complements.
 _SYMBOL_TOKEN = re.compile(r"(?<!\S)[^\w\s]+(?!\S)")
 _NO_LETTER_TOKEN = re.compile(r"(?<!\S)(?:[^\w\s]|[\d_])+(?!\S)")
+# ASCII text's tokens with a letter, counted without a regex scan or a string per token: letters
+# become "x", whitespace (``str.isspace``, as ``str.split`` and ``\s`` see it) a space, every
+# other byte is deleted; each such token is then one run of "x" after a space or at the start.
+_ASCII_LETTERS = bytes(c for c in range(128) if chr(c).isalpha())
+_ASCII_SPACE = bytes(c for c in range(128) if chr(c).isspace())
+_LETTER_MARKS = bytes.maketrans(
+    _ASCII_LETTERS + _ASCII_SPACE, b"x" * len(_ASCII_LETTERS) + b" " * len(_ASCII_SPACE)
+)
+_NEITHER = bytes(c for c in range(256) if c not in _ASCII_LETTERS + _ASCII_SPACE)
+# ASCII text's symbol tokens (no word character) by a regex over character classes: a space,
+# "w" for ``\w`` (letters, digits, "_"), "s" for anything else. A run of "s" between spaces is
+# such a token, and the scan finds each by its leading space instead of trying every position.
+_ASCII_WORD = bytes(c for c in range(128) if chr(c).isalnum() or chr(c) == "_")
+_SYMBOL_CLASSES = bytes(
+    ord(" ") if c in _ASCII_SPACE else ord("w") if c in _ASCII_WORD else ord("s")
+    for c in range(256)
+)
+_SYMBOL_RUN = re.compile(rb" s+(?= )")
 _LOREM = re.compile(r"lorem\s+ipsum", re.IGNORECASE)
 _BULLET_CHARS = frozenset(BULLETS)
 _TERMINAL_CHARS = frozenset(TERMINAL_PUNCTUATION)
@@ -245,17 +263,17 @@ def repetition_scores(tokens: Sequence[str]) -> dict[str, float]:
 def _word_scores(text: str, word_tokens: Sequence[str]) -> dict[str, float]:
     """Gopher's word statistics over whitespace tokens (punctuation attached, as in the paper).
 
-    No Python loop over tokens: the tokens are ``str.split()``'s, and the rare kinds (symbol
-    tokens, tokens without a letter) are counted by one regular-expression scan each, whose
-    matches are whole tokens (bounded by whitespace on both sides). Stop words are
+    No Python loop over tokens: the tokens are ``str.split()``'s; symbol tokens
+    (``_symbol_tokens``) and tokens with a letter (``_tokens_with_a_letter``) are counted by
+    scans of the whole text. Stop words are
     counted over ``word_tokens`` (``pipelines.text.words`` of the text): ``words`` never spans
     whitespace, so that equals counting them token by token.
     """
     tokens = text.split()
-    symbols = _SYMBOL_TOKEN.findall(text)  # rare, so cheap to collect
-    word_count = len(tokens) - len(symbols)
-    word_chars = sum(map(len, tokens)) - sum(map(len, symbols))
-    alpha = len(tokens) - len(_NO_LETTER_TOKEN.findall(text))
+    symbols, symbol_chars = _symbol_tokens(text)
+    word_count = len(tokens) - symbols
+    word_chars = sum(map(len, tokens)) - symbol_chars
+    alpha = _tokens_with_a_letter(text, tokens)
     stop_words = sum(map(STOP_WORDS.__contains__, word_tokens))
     ellipses = sum(text.count(e) for e in ELLIPSES)
     return {
@@ -266,6 +284,26 @@ def _word_scores(text: str, word_tokens: Sequence[str]) -> dict[str, float]:
         "alpha_word_fraction": _ratio(alpha, len(tokens)),
         "stop_words": stop_words,
     }
+
+
+def _symbol_tokens(text: str) -> tuple[int, int]:
+    """(count, characters) of the whitespace tokens of ``text`` without a ``\\w`` character;
+    ASCII text by its character classes (0.14 s instead of 0.45 s for the demo's corpus)."""
+    if text.isascii():
+        classes = b" " + text.encode("ascii").translate(_SYMBOL_CLASSES) + b" "
+        runs = _SYMBOL_RUN.findall(classes)  # each with its leading space
+        return len(runs), sum(map(len, runs)) - len(runs)
+    symbols = _SYMBOL_TOKEN.findall(text)
+    return len(symbols), sum(map(len, symbols))
+
+
+def _tokens_with_a_letter(text: str, tokens: Sequence[str]) -> int:
+    """How many of ``tokens`` (``text.split()``) hold a letter (a ``\\w`` that is no digit or
+    "_"); ASCII text by byte translation (0.05 s instead of 0.87 s for the demo's corpus)."""
+    if text.isascii():
+        marks = text.encode("ascii").translate(_LETTER_MARKS, _NEITHER)
+        return marks.count(b" x") + marks.startswith(b"x")
+    return len(tokens) - len(_NO_LETTER_TOKEN.findall(text))
 
 
 def _line_scores(text: str, spans: Sequence[tuple[int, int]]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -244,3 +245,24 @@ def test_word_statistics_match_the_token_by_token_definition(text):
     assert scores["mean_word_length"] == (sum(map(len, words_)) / len(words_) if words_ else 0.0)
     alpha = sum(1 for t in tokens if re.search(r"[^\W\d_]", t))
     assert scores["alpha_word_fraction"] == (alpha / len(tokens) if tokens else 0.0)
+
+
+def test_ascii_token_kinds_match_the_token_by_token_definition():
+    """ASCII text counts its tokens with a letter and its symbol tokens from byte classes: the
+    same counts as the definition (and the regex path non-ASCII text keeps), over every ASCII
+    character."""
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(128)] + [" ", "a", "Z", "1", "_", "."] * 8
+    texts = ["", "x", " x", "x ", "1 _ .", "a\x1cb 1\x1f_ \x0b!x", "\x00\x01 ab\x7f \x1dc1"]
+    texts += ["".join(rng.choices(alphabet, k=rng.randint(0, 60))) for _ in range(3000)]
+    for text in texts:
+        assert text.isascii()
+        tokens = text.split()
+        expected = sum(1 for t in tokens if re.search(r"[^\W\d_]", t))
+        assert quality._tokens_with_a_letter(text, tokens) == expected, repr(text)
+        regex_path = len(tokens) - len(quality._NO_LETTER_TOKEN.findall(text))
+        assert regex_path == expected, repr(text)
+        symbols = [t for t in tokens if not re.search(r"\w", t)]
+        assert quality._symbol_tokens(text) == (len(symbols), sum(map(len, symbols))), repr(text)
+        regex_symbols = quality._SYMBOL_TOKEN.findall(text)
+        assert regex_symbols == symbols, repr(text)
