@@ -7,10 +7,12 @@ profile, attention's ``exp`` fusion took 0.07 s of a step's thunk time instead o
 matmuls (YNNPACK) 0.54 s instead of 0.51 (docs/benchmarks.md). On an AMD EPYC VM it was within
 noise.
 
-``prefer_host_vector_width`` adds the flag to ``XLA_FLAGS`` when the CPU has AVX-512 (Linux's
-``/proc/cpuinfo`` lists ``avx512f``), unless the user set a width. XLA reads ``XLA_FLAGS`` once,
-when the first backend starts, so it must run before that, as ``hostmem.keep_step_memory_warm``
-does. Accelerator runs are unaffected: the flag concerns code XLA:CPU generates.
+``prefer_host_vector_width`` adds the flag to ``XLA_FLAGS`` when JAX runs on the CPU only
+(``hostmem.cpu_only``: accelerator hosts are left alone) and the CPU has AVX-512 (Linux's
+``/proc/cpuinfo`` lists ``avx512f``), unless the user set a width or passes a ``--flagfile``.
+XLA reads ``XLA_FLAGS`` once, when the first backend starts, so it must run before that, as
+``hostmem.keep_step_memory_warm`` does. To keep 256-bit code (older Xeons lower their clock
+for 512-bit instructions), set ``XLA_FLAGS=--xla_cpu_prefer_vector_width=256``.
 
 Vectorized reductions add in a different order at 512 bits, so a run on such a CPU differs from
 a 256-bit run in the last bits of its losses; runs on one machine stay byte-identical.
@@ -19,6 +21,8 @@ a 256-bit run in the last bits of its losses; runs on one machine stay byte-iden
 from __future__ import annotations
 
 import os
+
+from trainer import hostmem
 
 FLAG = "--xla_cpu_prefer_vector_width"
 WIDE = 512
@@ -38,13 +42,13 @@ def has_avx512(cpuinfo: str = CPUINFO) -> bool:
 
 
 def prefer_host_vector_width(cpuinfo: str = CPUINFO) -> bool:
-    """Add ``--xla_cpu_prefer_vector_width=512`` to ``XLA_FLAGS`` on an AVX-512 CPU unless a
-    width is already set there. Returns whether 512-bit vectors are asked for. Call before
-    anything starts a JAX backend."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if FLAG in flags:
-        return f"{FLAG}={WIDE}" in flags.split()
-    if not has_avx512(cpuinfo):
+    """Add ``--xla_cpu_prefer_vector_width=512`` to ``XLA_FLAGS`` for a CPU-only run on an
+    AVX-512 CPU, unless the user set a width there or keeps flags in a file. Returns whether
+    512-bit vectors are asked for. Call before anything starts a JAX backend."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if any(f.startswith((f"{FLAG}=", "--flagfile=")) for f in flags):
+        return f"{FLAG}={WIDE}" in flags
+    if not hostmem.cpu_only() or not has_avx512(cpuinfo):
         return False
-    os.environ["XLA_FLAGS"] = f"{flags} {FLAG}={WIDE}".strip()
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{FLAG}={WIDE}"])
     return True
