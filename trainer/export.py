@@ -55,7 +55,7 @@ from trainer import rundir
 from trainer.config import ConfigError, TrainConfig, load_config, to_dict
 from trainer.hf_tokenizer import (
     SentencePieceModel,
-    TokenizerError,
+    UnexportableTokenizer,
     check_tokenizer,
     parse_sentencepiece,
     tokenizer_files,
@@ -126,8 +126,7 @@ def resolve_checkpoint(cfg: TrainConfig, step: int | None = None) -> tuple[int, 
 
 
 def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = None) -> Source:
-    """Everything the export can refuse, from files alone (ExportError, TokenizerError,
-    ConfigError)."""
+    """Everything the export can refuse, from files alone (ExportError, ConfigError)."""
     if cfg.model.moe is not None:
         raise ExportError(MOE_REFUSAL)
     step, checkpoint, vocab = resolve_checkpoint(cfg, step)
@@ -136,7 +135,10 @@ def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = N
             data = f.read()
     except FileNotFoundError:
         raise ExportError(f"tokenizer: no file at {tokenizer_path}") from None
-    sp = parse_sentencepiece(data)
+    try:
+        sp = parse_sentencepiece(data)
+    except UnexportableTokenizer as e:
+        raise ExportError(str(e)) from None
     if sp.vocab_size != vocab:
         raise ExportError(
             f"tokenizer: vocabulary size {sp.vocab_size} ({tokenizer_path}) does not match "
@@ -146,7 +148,10 @@ def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = N
         raise ExportError(
             f"model.vocab_size: {cfg.model.vocab_size} in the config, {vocab} in the checkpoint"
         )
-    check_tokenizer(sp)
+    try:
+        check_tokenizer(sp)
+    except UnexportableTokenizer as e:
+        raise ExportError(str(e)) from None
     return Source(cfg, step, checkpoint, vocab, sp, data)
 
 
@@ -342,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides, require_data=False)
         source = check_exportable(cfg, args.tokenizer, args.step)
-    except (ConfigError, ExportError, TokenizerError, OSError) as e:
+    except (ConfigError, ExportError, OSError) as e:
         print(f"cannot export: {e}", file=sys.stderr)
         return 2
     try:

@@ -8,7 +8,7 @@ piece into two pieces. Left to itself, transformers would convert ``tokenizer.mo
 protobuf and its Llama converter, which prepends "▁" unless told otherwise and depends on the
 installed protobuf (in this venv that conversion fails outright).
 
-What cannot be reproduced exactly is refused (``check_tokenizer``: ``TokenizerError`` names it).
+What cannot be reproduced exactly is refused (``check_tokenizer``: ``UnexportableTokenizer`` names it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 WHITESPACE = "\u2581"  # sentencepiece's escaped space
 
 
-class TokenizerError(ValueError):
+class UnexportableTokenizer(ValueError):
     """A tokenizer file that is not a sentencepiece model, or one the export cannot reproduce."""
 
 
@@ -97,12 +97,12 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
         elif wire == 5:
             value, pos = buf[pos : pos + 4], pos + 4
         else:
-            raise TokenizerError(
+            raise UnexportableTokenizer(
                 f"tokenizer: not a sentencepiece model (protobuf wire type {wire})"
             )
         out.append((num, wire, value))
     if pos != len(buf):
-        raise TokenizerError("tokenizer: not a sentencepiece model (truncated protobuf)")
+        raise UnexportableTokenizer("tokenizer: not a sentencepiece model (truncated protobuf)")
     return out
 
 
@@ -115,10 +115,10 @@ def parse_sentencepiece(data: bytes) -> SentencePieceModel:
     from sentencepiece_model.proto: ModelProto pieces=1, trainer_spec=2, normalizer_spec=3."""
     try:
         return _parse_sentencepiece(data)
-    except TokenizerError:
+    except UnexportableTokenizer:
         raise
     except (IndexError, ValueError, AttributeError, TypeError, struct.error) as e:
-        raise TokenizerError(f"tokenizer: not a sentencepiece model ({e!r})") from None
+        raise UnexportableTokenizer(f"tokenizer: not a sentencepiece model ({e!r})") from None
 
 
 def _parse_sentencepiece(data: bytes) -> SentencePieceModel:
@@ -159,7 +159,7 @@ def _parse_sentencepiece(data: bytes) -> SentencePieceModel:
                 elif n in flags:
                     kw[flags[n]] = bool(v)
     if not pieces:
-        raise TokenizerError("tokenizer: not a sentencepiece model (no pieces)")
+        raise UnexportableTokenizer("tokenizer: not a sentencepiece model (no pieces)")
     kw["model_type"] = MODEL_TYPES.get(kw.get("model_type", 1), str(kw.get("model_type")))
     for k in ("byte_fallback", "treat_whitespace_as_suffix"):
         if k in kw:
@@ -171,7 +171,7 @@ def _parse_sentencepiece(data: bytes) -> SentencePieceModel:
 
 
 def check_tokenizer(sp: SentencePieceModel) -> None:
-    """Refuse what ``tokenizer_json`` cannot reproduce exactly (TokenizerError names it)."""
+    """Refuse what ``tokenizer_json`` cannot reproduce exactly (UnexportableTokenizer names it)."""
     problems = []
     if sp.model_type != "bpe":
         problems.append(f"model_type is {sp.model_type} (only BPE is exported)")
@@ -187,7 +187,7 @@ def check_tokenizer(sp: SentencePieceModel) -> None:
     if sp.eos_id < 0:
         problems.append("it has no EOS piece (documents end with EOS)")
     if problems:
-        raise TokenizerError("tokenizer: cannot be exported exactly: " + "; ".join(problems))
+        raise UnexportableTokenizer("tokenizer: cannot be exported exactly: " + "; ".join(problems))
 
 
 def tokenizer_json(sp: SentencePieceModel) -> dict[str, Any]:

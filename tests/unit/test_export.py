@@ -160,9 +160,9 @@ def test_tokenizer_json_encodes_as_sentencepiece(tok):
 
 def test_tokenizer_refusals(tmp_path):
     sp = hft.parse_sentencepiece(Path(_dummy_prefix_spm(tmp_path)).read_bytes())
-    with pytest.raises(hft.TokenizerError, match="remove_extra_whitespaces"):
+    with pytest.raises(hft.UnexportableTokenizer, match="remove_extra_whitespaces"):
         hft.check_tokenizer(sp)
-    with pytest.raises(hft.TokenizerError, match="not a sentencepiece model"):
+    with pytest.raises(hft.UnexportableTokenizer, match="not a sentencepiece model"):
         hft.parse_sentencepiece(b"\x0f\x00garbage")
 
 
