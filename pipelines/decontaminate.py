@@ -19,8 +19,8 @@ The eval side is small (thousands of texts, a few million 64-bit hashes: megabyt
 corpus side huge, so the eval n-gram hashes are built in the pipeline and broadcast to every
 worker as a side input of sorted ``uint64`` arrays; each document is checked locally with a
 binary search, after a bitmap of the table's hashes (``HashPrefilter``) has ruled out all but a
-few percent of its n-grams. A shuffle join would move every n-gram of the corpus (about one record per
-word) across the network to save broadcasting a few megabytes.
+few percent of its n-grams. A shuffle join would move every n-gram of the corpus (about one
+record per word) across the network to save broadcasting a few megabytes.
 
     python -m pipelines.decontaminate --input out/exact_dedup --output out/decontaminate \\
         --eval_set 'data/eval/*.jsonl.gz' [--config '{"ngram": 13, "min_overlap": 1}']
@@ -43,7 +43,6 @@ from pipelines.documents import Document, InvalidRecord, dead_letter, validate_d
 from pipelines.map_stage import MapDocuments, MapParts
 from pipelines.stage import StageError, StageRun, run_as_command, stage_main
 from pipelines.text import (
-    first_of_runs,
     ngram_hashes,
     ngram_hashes_by_length,
     sorted_unique,
@@ -138,28 +137,28 @@ def _add_pairs(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
 # 2.4 s of the demo's 11 s stage for one table of 3.0M 13-gram hashes. Tables this large get a
 # bitmap that rules out most n-grams with one lookup each first (0.25 s there).
 PREFILTER_MIN_HASHES = 4096
-PREFILTER_BITS_PER_HASH = 32  # ~3% of absent n-grams pass (1 - exp(-1/32))
+# 32-64 bits per hash once rounded up to a power of two: 1.5-3% of absent n-grams pass, more
+# for tables past 4M hashes, where the bitmap stops growing
+PREFILTER_BITS_PER_HASH = 32
 PREFILTER_MAX_BITS = 27  # a 16 MiB bitmap at most, per n-gram length
+PREFILTER_BUILD_CHUNK = 1 << 18  # hashes set at a time: temporaries of a few MiB, not the table's
 
 
 class HashPrefilter:
-    """Which of some uint64 hashes may be in a sorted table: a bitmap over the top ``bits``
+    """Which of some uint64 hashes may be in a table: a bitmap over the top ``bits``
     bits of the table's hashes. Never wrong for a hash in the table; a hash not in it passes
     with probability about (table size / 2**bits). The hashes are uniform 64-bit values
     (``pipelines.text.ngram_hashes``), so their top bits are too."""
 
     def __init__(self, table: np.ndarray) -> None:
         wanted = max(len(table), 1) * PREFILTER_BITS_PER_HASH
-        self.bits = min(PREFILTER_MAX_BITS, max(3, int(wanted - 1).bit_length()))
+        self.bits = min(PREFILTER_MAX_BITS, int(wanted - 1).bit_length())  # >= 5: whole bytes
         self.shift = np.uint64(64 - self.bits)
-        slots = table >> self.shift  # non-decreasing: the table is sorted
-        starts = np.flatnonzero(first_of_runs(slots >> np.uint64(3)))
-        masks = np.left_shift(np.uint8(1), (slots & np.uint64(7)).astype(np.uint8))
         self.bitmap = np.zeros(1 << (self.bits - 3), dtype=np.uint8)
-        if len(table):
-            self.bitmap[(slots[starts] >> np.uint64(3)).astype(np.intp)] = np.bitwise_or.reduceat(
-                masks, starts
-            )
+        for start in range(0, len(table), PREFILTER_BUILD_CHUNK):
+            slots = table[start : start + PREFILTER_BUILD_CHUNK] >> self.shift
+            bit = np.left_shift(np.uint8(1), (slots & np.uint64(7)).astype(np.uint8))
+            np.bitwise_or.at(self.bitmap, (slots >> np.uint64(3)).astype(np.intp), bit)
 
     def maybe(self, hashes: np.ndarray) -> np.ndarray:
         """bool [len(hashes)]: False where the hash is certainly not in the table."""

@@ -28,7 +28,7 @@ def test_prefilter_keeps_every_member_and_rules_out_most_others():
     others = np.setdiff1d(_hashes(rng, 200_000), table)
     passed = prefilter.maybe(others).mean()
     assert passed < 0.1, passed  # ~3% expected; a wrong shift or bit order passes ~all or none
-    # the edges: one hash (a one-byte bitmap), and none
+    # the edges: one hash (5 bits: a 4-byte bitmap), and none
     one = HashPrefilter(table[:1])
     assert one.maybe(table[:1]).all() and one.bitmap.nbytes >= 4
     assert not HashPrefilter(table[:0]).maybe(table).any()
