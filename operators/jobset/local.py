@@ -96,7 +96,8 @@ _PR_SET_PDEATHSIG = 1
 def _terminate_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` that has the kernel SIGTERM the child when its parent dies (Linux);
     None elsewhere. The signal follows the thread that forks, here the controller thread,
-    which lives as long as the pods it watches."""
+    which lives as long as the pods it watches. A killed owner may send it twice: the kernel
+    signals each reparenting, and a pod can pass through another dying thread of the owner."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes

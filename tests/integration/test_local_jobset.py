@@ -420,7 +420,11 @@ def test_pods_get_sigterm_when_the_process_running_them_is_killed(fake, tmp_path
     while _alive(pods[0]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pods[0]), "the pod outlived the process that ran it"
-    assert (out(fake) / "0-0.term").read_text().strip() == str(pods[0])
+    # The kernel sends the parent-death signal each time the pod is handed to another parent:
+    # once when the controller thread dies, and again if the owner's last threads were still
+    # exiting then (the pod passed to one of them first). Once or twice, it is this pod's.
+    terms = (out(fake) / "0-0.term").read_text().split()
+    assert terms and set(terms) == {str(pods[0])}, terms
     for pid in pods:  # tidy up what ignored SIGTERM, grandchildren included
         with contextlib.suppress(psutil.NoSuchProcess):
             for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
