@@ -14,10 +14,10 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ufeff\u200b-\u200d\u2060]")
 _TRAILING_SPACE = re.compile(r"[ \t\u00a0]+$", re.MULTILINE)
 _BLANK_RUNS = re.compile(r"\n{3,}")
 _WORD = re.compile(r"\w+", re.UNICODE)
-# Byte -> itself if it is an ASCII word character of ``_WORD``, else a space.
-_ASCII_WORD_BYTES = bytes(
-    c if c < 0x80 and (chr(c).isalnum() or chr(c) == "_") else 0x20 for c in range(256)
-)
+# The ASCII characters ``\w`` matches (letters, digits, "_"), and a byte translation that keeps
+# them and turns every other byte into a space.
+ASCII_WORD_CHARS = bytes(c for c in range(128) if chr(c).isalnum() or chr(c) == "_")
+_ASCII_WORD_BYTES = bytes(c if c in ASCII_WORD_CHARS else 0x20 for c in range(256))
 
 
 def normalize_text(text: str) -> str:

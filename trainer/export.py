@@ -137,20 +137,17 @@ def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = N
         raise ExportError(f"tokenizer: no file at {tokenizer_path}") from None
     try:
         sp = parse_sentencepiece(data)
-    except UnexportableTokenizer as e:
-        raise ExportError(str(e)) from None
-    if sp.vocab_size != vocab:
-        raise ExportError(
-            f"tokenizer: vocabulary size {sp.vocab_size} ({tokenizer_path}) does not match "
-            f"the checkpoint's {vocab} embedding rows ({checkpoint}): not the run's tokenizer"
-        )
-    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
-        raise ExportError(
-            f"model.vocab_size: {cfg.model.vocab_size} in the config, {vocab} in the checkpoint"
-        )
-    try:
+        if sp.vocab_size != vocab:
+            raise ExportError(
+                f"tokenizer: vocabulary size {sp.vocab_size} ({tokenizer_path}) does not match "
+                f"the checkpoint's {vocab} embedding rows ({checkpoint}): not the run's tokenizer"
+            )
+        if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+            raise ExportError(
+                f"model.vocab_size: {cfg.model.vocab_size} in the config, {vocab} in the checkpoint"
+            )
         check_tokenizer(sp)
-    except UnexportableTokenizer as e:
+    except UnexportableTokenizer as e:  # hf_tokenizer's refusals, as the export's own
         raise ExportError(str(e)) from None
     return Source(cfg, step, checkpoint, vocab, sp, data)
 

@@ -332,7 +332,7 @@ def table(r: dict) -> str:
         f"{r['matmul_peak_gflops_median']:.0f}, max {r['matmul_peak_gflops_max']:.0f} GFLOP/s; "
         f"peak RSS {r['peak_rss_mib']:.0f} MiB; vocab {r['vocab']}; "
         f"malloc kept warm (trainer/hostmem.py): {r['malloc_kept_warm']}; "
-        f"512-bit vectors (trainer/vector_width.py): {r.get('vector_width_512')}",
+        f"512-bit vectors (trainer/vector_width.py): {r['vector_width_512']}",
         "",
         "| shape (seq x batch) | params | FLOPs/token | tokens/s | MFU (median step, p25-p75) "
         "| MFU (best step / best peak) | page faults / step "

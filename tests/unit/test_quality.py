@@ -259,10 +259,10 @@ def test_ascii_token_kinds_match_the_token_by_token_definition():
         assert text.isascii()
         tokens = text.split()
         expected = sum(1 for t in tokens if re.search(r"[^\W\d_]", t))
-        assert quality._tokens_with_a_letter(text, tokens) == expected, repr(text)
+        symbols = [t for t in tokens if not re.search(r"\w", t)]
+        kinds = (len(symbols), sum(map(len, symbols)), expected)
+        assert quality._token_kinds(text, tokens) == kinds, repr(text)
         regex_path = len(tokens) - len(quality._NO_LETTER_TOKEN.findall(text))
         assert regex_path == expected, repr(text)
-        symbols = [t for t in tokens if not re.search(r"\w", t)]
-        assert quality._symbol_tokens(text) == (len(symbols), sum(map(len, symbols))), repr(text)
         regex_symbols = quality._SYMBOL_TOKEN.findall(text)
         assert regex_symbols == symbols, repr(text)
