@@ -29,6 +29,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from operators.run_steps import latest_attempts, step_states, stepless_failures
 from operators.step_lineage import StepLineageMixin
 
 # A training task killed from the UI is closed by the listener at once, but its trainer is
@@ -166,9 +167,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         return path
 
     def summarize(self, context: Any) -> dict[str, Any]:
-        from operators.lineage import ExecutionState
         from operators.settings import write_run_file
-        from operators.steps import probe
         from trainer.rundir import last_checkpoint
 
         run_id = context.get("run_id")
@@ -185,9 +184,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
                 executions = [node.execution for node in graph_run.steps]
             except Exception:  # no execution at all in this run (failed before any)
                 executions = []
-            latest = {}
-            for ex in executions:  # start order: the last attempt of each step wins
-                latest[ex.name] = ex
+            latest = latest_attempts(executions)
             if self._train_still_ending(latest.get("train")):
                 latest["train"] = self._wait_for_train_ending(store, run_id, latest["train"])
             try:
@@ -197,33 +194,11 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
                 graph_error = f"{type(exc).__name__}: {exc}"
             else:
                 graph_error = None
-            rows, failed, rerun, skip = [], [], [], []
-            step_names = {s.name for s in steps}
             # The latest attempt of each task without steps (validate, fetch): one that failed
             # and then succeeded on a retry is no failure of the run. The gate comes last.
-            for ex in latest.values():
-                if (
-                    ex.name not in step_names
-                    and ex.name != "gate"
-                    and ex.state == ExecutionState.FAILED
-                ):
-                    failed.append({"step": ex.name, "error": ex.error})  # e.g. fetch
-            for step in steps:
-                ex = latest.get(step.name)
-                marker = probe(root, step).status
-                marker_status = str(marker.status) if marker else None
-                state = str(ex.state) if ex else "NOT_RUN"
-                rows.append(
-                    {
-                        "step": step.key,
-                        "state": state,
-                        "marker": marker_status,
-                        "error": ex.error if ex else None,
-                    }
-                )
-                if state in ("FAILED", "CANCELED"):
-                    failed.append({"step": step.name, "error": ex.error})
-                (skip if marker_status == "SUCCESS" else rerun).append(step.key)
+            failed = stepless_failures(latest, {s.name for s in steps} | {"gate"})
+            rows, step_failed, skip, rerun = step_states(root, steps, latest)
+            failed += step_failed
             gate = self._gate(executions, task_states)
             if gate["state"] in ("FAILED", "CANCELED"):
                 failed.append({"step": "gate", "error": gate["error"]})

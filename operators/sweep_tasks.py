@@ -359,89 +359,163 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         super().__init__(**kwargs)
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
+        from airflow.sdk.exceptions import AirflowFailException
+
         from operators.record import close_leftovers, run_task_states
-        from operators.settings import run_folder, write_run_file
-        from operators.sweep.outcomes import check_forecast
+        from operators.settings import run_folder
         from trainer.rundir import read_json
 
         self.require_run_owned(context)  # all_done: runs even after validate refused the run
 
-        record = read_json(join(run_folder(context.get("run_id")), SWEEP_RESULT)) or {}
-        forecasts = record.get("forecasts") or []
-        outcomes = _outcomes(self, context, [f["cell"] for f in forecasts])
+        run_id = context.get("run_id")
+        record = read_json(join(run_folder(run_id), SWEEP_RESULT)) or {}
         checks: list[dict[str, Any]] = []
         store = self.lineage_store()
         try:
             # The night's last task: the executions of cells whose process was killed without
             # reporting (OOM, SIGKILL) are closed here, as the pipeline's ``record`` closes its
             # run's; sibling cells are told apart by their map index.
-            closed = close_leftovers(
-                store, context.get("run_id"), run_task_states(context), self.dag_id
-            )
+            task_states = run_task_states(context)
+            closed = close_leftovers(store, run_id, task_states, self.dag_id)
             if any(closed.values()):
                 self.log.warning("closed executions that never reported their end: %s", closed)
-            execution = store.start_execution(
-                "check", run_id=context.get("run_id"), pipeline=self.dag_id
-            )
+            execution = store.start_execution("check", run_id=run_id, pipeline=self.dag_id)
             try:
-                for forecast, outcome in zip(forecasts, outcomes, strict=True):
-                    registered = read_json(forecast["path"])
-                    check = {
-                        "budget": forecast["cell"]["budget"],
-                        "forecast": forecast["path"],
-                        "sha256": forecast["sha256"],
-                        **check_forecast(registered, outcome["metric"]),
-                    }
-                    check["estimate"], check["actual"] = outcome["estimate"], outcome["actual"]
-                    if outcome["reason"]:
-                        check["reason"] = outcome["reason"]
-                    checks.append(check)
-                    self.log.info("forecast check: %s", json.dumps(check, default=str))
-                    store.record_input(
-                        execution, forecast["path"], "forecast", content_hash=forecast["sha256"]
-                    )
-                write_run_file(context.get("run_id"), "forecast_checks.json", checks)
-                metric = self.run_params(context)["metric"]
-                _record_report(store, execution, _write_report(context, record, checks, metric))
-                grid = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
-                self._fail_if_incomplete(record, _outcomes(self, context, grid), checks)
+                checks = self._check_forecasts(context, store, execution, record)
+                incomplete = self._incomplete(context, record, checks)
             except BaseException as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                try:
+                    self._write_summary(
+                        context, store, execution, record, task_states, closed, error
+                    )
+                except Exception:  # the error above is the one to report
+                    self.log.exception("the night summary was not written")
                 store.finish_execution(
                     execution, "FAILED", error=exc, properties={"checks": checks}
                 )
                 raise
-            store.finish_execution(execution, properties={"checks": checks})
+            summary = self._write_summary(
+                context, store, execution, record, task_states, closed, incomplete
+            )
+            if incomplete:
+                failure = AirflowFailException(incomplete)
+                store.finish_execution(
+                    execution, "FAILED", error=failure, properties={"checks": checks}
+                )
+                raise failure
+            store.finish_execution(
+                execution, properties={"checks": checks, "state": summary["state"]}
+            )
         finally:
             store.close()
         return checks
 
-    def _fail_if_incomplete(
-        self,
-        record: Mapping[str, Any],
-        grid: list[dict[str, Any]],
-        checks: list[dict[str, Any]],
-    ) -> None:
-        """As the DAG's leaf, fail a night with a failed cell (read again here: a cleared and
-        repaired cell counts as repaired), no forecast, or a forecast left unchecked, so that
-        a backfill with ``reprocess_behavior=failed`` completes it."""
-        from airflow.sdk.exceptions import AirflowFailException
+    def _check_forecasts(
+        self, context: Any, store: Any, execution: int, record: Mapping[str, Any]
+    ) -> list[dict[str, Any]]:
+        """Each forecast's outcome against its registration (``forecast_checks.json``), and
+        the night's report redrawn with the outcomes."""
+        from operators.settings import write_run_file
+        from operators.sweep.outcomes import check_forecast
+        from trainer.rundir import read_json
 
+        forecasts = record.get("forecasts") or []
+        outcomes = _outcomes(self, context, [f["cell"] for f in forecasts])
+        checks: list[dict[str, Any]] = []
+        for forecast, outcome in zip(forecasts, outcomes, strict=True):
+            registered = read_json(forecast["path"])
+            check = {
+                "budget": forecast["cell"]["budget"],
+                "forecast": forecast["path"],
+                "sha256": forecast["sha256"],
+                **check_forecast(registered, outcome["metric"]),
+            }
+            check["estimate"], check["actual"] = outcome["estimate"], outcome["actual"]
+            if outcome["reason"]:
+                check["reason"] = outcome["reason"]
+            checks.append(check)
+            self.log.info("forecast check: %s", json.dumps(check, default=str))
+            store.record_input(
+                execution, forecast["path"], "forecast", content_hash=forecast["sha256"]
+            )
+        write_run_file(context.get("run_id"), "forecast_checks.json", checks)
+        metric = self.run_params(context)["metric"]
+        _record_report(store, execution, _write_report(context, record, checks, metric))
+        return checks
+
+    def _write_summary(
+        self,
+        context: Any,
+        store: Any,
+        execution: int,
+        record: Mapping[str, Any],
+        task_states: dict[str, str],
+        closed: dict[str, int],
+        incomplete: str | None,
+    ) -> dict[str, Any]:
+        """The night's run summary (:mod:`operators.sweep.summary`), written before the night
+        fails: ``summary.json`` in its folder and the ``run_summary`` artifact of ``check``."""
+        from operators.run_steps import latest_attempts
+        from operators.settings import write_run_file
+        from operators.sweep.summary import night_steps, night_summary
+
+        run_id = context.get("run_id")
+        cells = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
+        cells += [f["cell"] for f in record.get("forecasts") or []]
+        graph, steps, graph_error = None, [], None
+        try:
+            graph = self.step_graph(context)
+            steps = night_steps(graph, self.run_params(context), cells)
+        except Exception as exc:  # corpora missing: fetch failed
+            graph_error = f"{type(exc).__name__}: {exc}"
+        try:
+            executions = [node.execution for node in store.run_graph(run_id).steps]
+        except Exception:  # no execution in the run but check's own
+            executions = []
+        summary = night_summary(
+            run_id=run_id,
+            pipeline=self.dag_id,
+            root=self.steps_root(),
+            latest=latest_attempts(executions),
+            graph=graph,
+            steps=steps,
+            cells=cells,
+            incomplete=incomplete,
+            task_states=task_states,
+            closed=closed,
+            graph_error=graph_error,
+        )
+        path = write_run_file(run_id, "summary.json", summary)
+        store.record_output(execution, path, "run_summary", properties=summary)
+        self.log.info("night summary (%s): %s", summary["state"], path)
+        return summary
+
+    def _incomplete(
+        self, context: Any, record: Mapping[str, Any], checks: list[dict[str, Any]]
+    ) -> str | None:
+        """What makes the night incomplete: a failed cell (read again here: a cleared and
+        repaired cell counts as repaired), no forecast, or a forecast left unchecked. As the
+        DAG's leaf, ``check`` then fails the night, so that a backfill with
+        ``reprocess_behavior=failed`` completes it."""
         if not record.get("forecasts"):
             fits = record.get("fits") or {}
-            raise AirflowFailException(
-                "no forecast this night: "
-                + ("; ".join(f"{n}: {f.get('error')}" for n, f in fits.items()) or "fit failed")
+            return "no forecast this night: " + (
+                "; ".join(f"{n}: {f.get('error')}" for n, f in fits.items()) or "fit failed"
             )
-        problems = [f"[{o['index']}] {o['label']}: {o['reason']}" for o in grid if o["reason"]]
+        grid = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
+        outcomes = _outcomes(self, context, grid)
+        problems = [f"[{o['index']}] {o['label']}: {o['reason']}" for o in outcomes if o["reason"]]
         problems += [
             f"forecast at {c['budget']:.3g}: {c.get('reason') or 'not checked'}"
             for c in checks
             if not c.get("checked")
         ]
-        if problems:
-            raise AirflowFailException(
-                f"{len(problems)} cell(s) or forecast(s) incomplete: "
-                + "; ".join(problems)
-                + " -- a backfill (reprocess failed) or clearing them with their downstream "
-                "reruns only those"
-            )
+        if not problems:
+            return None
+        return (
+            f"{len(problems)} cell(s) or forecast(s) incomplete: "
+            + "; ".join(problems)
+            + " -- a backfill (reprocess failed) or clearing them with their downstream "
+            "reruns only those"
+        )

@@ -144,6 +144,7 @@ def run_page(
         v=view,
         loss_src=loss_src,
         checkpoint_raw=checkpoint_raw_inputs(store, view),
+        sweep_dag=SWEEP_DAG,
     )
 
 

@@ -5,8 +5,9 @@ A step appears once, as its latest attempt (a cleared and rerun step has several
 the table says how many). Counts come from the step's output artifacts (the manifests'
 records in/out and drops by reason, a token store's tokens); the training, evaluation,
 benchmark and sample records from the artifacts the train and evaluate steps recorded; the
-gate's decision from its execution; what a clear-and-rerun resumes from the ``record`` task's
-run summary (``operators/record.py``), which probed the step markers when the run ended.
+gate's decision from its execution; what a clear-and-rerun resumes from the run summary of the
+run's last task (the pipeline's ``record``, ``operators/record.py``; the sweep's ``check``,
+``operators/sweep/summary.py``), which probed the step markers when the run ended.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from operators.lineage.store import ArtifactRecord, ExecutionRecord, RunGraph, S
 from operators.promotion import gate_outcome
 
 TRACEBACK_TAIL_LINES = 12
-RUN_SUMMARY = "run_summary"  # the record task's artifact type (operators/record.py)
+RUN_SUMMARY = "run_summary"  # the artifact type of record's and the sweep check's summaries
 BAD_STATES = (ExecutionState.FAILED, ExecutionState.CANCELED)
 
 
@@ -88,7 +89,7 @@ class RunView:
     gate: Mapping[str, Any] | None
     exports: tuple[str, ...]
     failures: tuple[StepRow, ...]
-    resume: Mapping[str, Any] | None  # the run summary's "resume" (None before record ran)
+    resume: Mapping[str, Any] | None  # the run summary's "resume" (None before it is written)
     summary_failed: tuple[Mapping[str, Any], ...]  # the run summary's failed steps, first first
 
     @property
@@ -186,6 +187,7 @@ def run_view(graph: RunGraph) -> RunView:
         attempts[node.execution.name] = attempts.get(node.execution.name, 0) + 1
         latest[node.execution.name] = node
     summary: Mapping[str, Any] = {}
+    summarized_by = None  # the execution that wrote the run summary (record, the sweep's check)
     rows, evaluations, benchmarks, exports = [], [], [], []
     samples: Mapping[str, Any] = {}
     training = None
@@ -194,6 +196,7 @@ def run_view(graph: RunGraph) -> RunView:
             a = link.artifact
             if a.type == RUN_SUMMARY:
                 summary = dict(a.properties or {})
+                summarized_by = node.execution
             elif a.type == ArtifactType.EVAL_RESULT:
                 kind, label = evaluation_output(link)
                 if kind == "benchmark":
@@ -210,9 +213,9 @@ def run_view(graph: RunGraph) -> RunView:
         if name != "record":  # the run's own summary: not a step of the pipeline
             rows.append(_step_row(node, attempts[name]))
     ended_at = graph.run.ended_at
-    if summary and ended_at is None and "record" in latest:
-        # Written by the record task while it runs: the run ended when its summary began.
-        ended_at = latest["record"].execution.started_at
+    if summary and ended_at is None and summarized_by is not None:
+        # Written by the run's last task while it runs: the run ended when that task began.
+        ended_at = summarized_by.started_at
     return RunView(
         run_id=graph.run.run_id,
         pipeline=graph.run.pipeline,

@@ -112,6 +112,10 @@ def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(
     trains = {n: [str(e.state) for e in x] for n, x in first.items() if "/train/" in n}
     assert sorted(s for (s,) in trains.values()).count("FAILED") == 1, trains
     failed_step = next(n for n, (s,) in trains.items() if s == "FAILED")
+    summary = _run_file(af, run_id, "summary.json", monkeypatch)  # check's, before it failed
+    assert summary["state"] == "FAILED" and summary["failed"][0]["step"] == failed_step, summary
+    rerun_names = sorted(k.rsplit("-", 1)[0] for k in summary["resume"]["rerun"])
+    assert rerun_names == [failed_step.replace("/train/", "/evaluate/"), failed_step], summary
 
     # -- 2. the backfill: Airflow reruns the failed night --------------------------------------
     night = logical.isoformat()
@@ -151,6 +155,8 @@ def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(
     (forecast2,) = record["forecasts"]
     assert forecast2["path"] == forecast["path"] and not forecast2["new"]
     assert Path(forecast["path"]).read_bytes() == registered  # the first registration stands
+    summary = _run_file(af, run_id, "summary.json", monkeypatch)  # rewritten by the rerun check
+    assert summary["state"] == "SUCCESS" and summary["resume"]["rerun"] == [], summary
     af.api("PATCH", f"/dags/{SWEEP_DAG_ID}", json={"is_paused": True})
 
     # -- 3. the sweep page in the Airflow UI (the Slipway plugin), in a real browser ------------

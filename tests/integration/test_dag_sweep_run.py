@@ -149,3 +149,41 @@ def test_a_night_with_a_failing_cell_fits_forecasts_and_checks(env):
     }
     assert str(nodes["check"].execution.state) == "FAILED"  # the night fails at its leaf
     assert f"[{FAILING}]" in nodes["check"].execution.error and "backfill" in log1
+
+    # The night's run summary, as record writes a pipeline run's: written before the night
+    # fails, it names the failed cell first and says what a backfill reruns (that cell's train
+    # and evaluate steps, the training from its checkpoint) and what it skips (the rest).
+    summary = run_file(env, run1, "summary.json")
+    failing = next(c for c in record["cells"] if c["index"] == FAILING)
+    train_name = next(n for n, s in states.items() if s == "FAILED")
+    assert summary["state"] == "FAILED" and summary["pipeline"] == "slipway_scaling_sweep"
+    assert summary["failed"][0]["step"] == train_name, summary["failed"]
+    assert "fault injection" in summary["failed"][0]["error"]
+    assert (
+        summary["failed"][-1]["step"] == "check"
+        and f"[{FAILING}]" in summary["failed"][-1]["error"]
+    )
+    rows = {r["step"].rsplit("-", 1)[0]: r for r in summary["steps"]}
+    evaluate_name = train_name.replace("/train/", "/evaluate/")
+    assert rows[train_name]["state"] == "FAILED" and rows[train_name]["marker"] != "SUCCESS"
+    # its evaluation refused to score a failed training before it started a step
+    assert rows[evaluate_name]["state"] == "NOT_RUN" and rows[evaluate_name]["marker"] is None
+    resume = summary["resume"]
+    assert sorted(k.rsplit("-", 1)[0] for k in resume["rerun"]) == [evaluate_name, train_name]
+    # every other step, the data plane's and the other cells', is a cache hit on the rerun
+    assert len(resume["skipped_on_rerun"]) == len(summary["steps"]) - 2
+    skipped = {k.rsplit("-", 1)[0] for k in resume["skipped_on_rerun"]}
+    assert {"ingest", "split"} <= skipped and any(n.startswith("tokens/") for n in skipped)
+    ((cell_resume),) = resume["cells_resume_from"]
+    assert cell_resume["cell"] == failing["label"] and cell_resume["step"] >= 1, cell_resume
+    summaries = [o for o in nodes["check"].outputs if o.artifact.type == "run_summary"]
+    assert [o.artifact.properties["state"] for o in summaries] == ["FAILED"]
+    # ... and the run page shows it, as it does a pipeline run's
+    from operators.lineage import LineageStore
+    from operators.reports import pages
+
+    with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
+        page = pages.run_page(store, run1, "/slipway", loss_src="x.png")
+    text = " ".join(page.split())
+    assert f'Failed at <span id="failed-step">{train_name}</span>' in text, text[:3000]
+    assert "2 run again" in text and f"{failing['label']}</span> at step" in text
