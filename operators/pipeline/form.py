@@ -580,7 +580,7 @@ def check_run_config(
     # Lazy: parse-time imports stay at Param; the stage configs import their stage modules.
     from operators.jobset import ManifestError, TrainingLaunch
     from operators.jobset.mesh import MeshError, launch_mesh
-    from operators.pipeline.graph import sources_of
+    from operators.pipeline.graph import graph_supplied_problems, sources_of
     from operators.policy import RunPolicy
     from operators.settings import DataDirNotAllowed, data_dir
     from pipelines.configs import check_stage_configs
@@ -617,6 +617,7 @@ def check_run_config(
     if problem := naming.image_problem(params["image"]):
         problems.append(problem)
     problems += check_stage_configs(params.get("stage_configs") or {})
+    problems += graph_supplied_problems(params.get("stage_configs") or {})
     problems += _trainer_problems(params)
     if params["backend"] == "gke":
         problems.extend(_gke_problems(params))

@@ -37,6 +37,28 @@ DATASET, TOKENIZER, TOKEN_STORE = "dataset", "tokenizer", "token_store"
 EVAL_SAMPLES = 5  # greedy completions of trainer.evaluate's fixed prompts, in every run
 EVAL_STORES = ("lambada",)  # eval sets tokenized as held-out prose (data/eval/<name>.jsonl.gz)
 EVAL_STORE_PREFIX = "eval-"  # eval sets tokenized as held-out stores: eval-<name>
+# Stage-config fields that name files: in a run the graph supplies them (the eval sets from
+# ``data_dir``'s checked root, the tokenizer from the run's own step), so a run's
+# ``stage_configs`` may not set them; the stage CLIs keep them for runs by hand.
+GRAPH_SUPPLIED = {
+    ("decontaminate", "eval_sets"): "the eval sets are data_dir's eval/ files",
+    ("tokenize", "tokenizer"): "the tokenizer is the run's train_tokenizer step",
+}
+
+
+class StageConfigNotAllowed(ValueError):
+    """A run's ``stage_configs`` sets a field the graph supplies (:data:`GRAPH_SUPPLIED`)."""
+
+
+def graph_supplied_problems(stage_configs: Mapping[str, Any]) -> list[str]:
+    """Each field of a run's ``stage_configs`` that only the graph may set, with why."""
+    return [
+        f"stage_configs.{stage}.{name}: not a run setting ({why})"
+        for (stage, name), why in GRAPH_SUPPLIED.items()
+        if isinstance(stage_configs.get(stage), Mapping) and name in stage_configs[stage]
+    ]
+
+
 # A stage clears its --output directory before writing, so it writes below the step's output
 # directory, never into it: the step's status marker and lease files must survive.
 STAGE_OUT = "output"
@@ -238,6 +260,8 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
     ``content_ids`` (path -> id, from the run's resolved graph: :func:`read_resolved`) stand
     in for hashing those files again; a path not in it is hashed.
     """
+    if problems := graph_supplied_problems(params["stage_configs"]):  # again, at use
+        raise StageConfigNotAllowed("; ".join(problems))
     data = data_dir(params.get("data_dir"))
     sources = sources_of(params)
     names = [s.name for s in sources]

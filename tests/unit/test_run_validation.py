@@ -194,6 +194,25 @@ def test_a_symlink_out_of_a_root_is_refused(dag, roots):
     assert "is outside the data roots" in _refused(_form(dag, data_dir=str(roots / "escape")))
 
 
+@pytest.mark.parametrize(
+    ("stage", "field", "value"),
+    [
+        ("decontaminate", "eval_sets", ["/var/run/secrets/**", "http://169.254.169.254/x"]),
+        ("decontaminate", "eval_sets", []),
+        ("tokenize", "tokenizer", "/etc/passwd"),
+    ],
+)
+def test_stage_config_paths_come_from_the_graph_not_the_form(dag, roots, stage, field, value):
+    """The eval sets and the tokenizer are the run's (data_dir's eval/ files, its own
+    train_tokenizer step): a path in stage_configs would read outside the data roots."""
+    from operators.pipeline.graph import StageConfigNotAllowed, build_graph
+
+    values = _form(dag, data_dir=str(roots), stage_configs={stage: {field: value}})
+    assert f"stage_configs.{stage}.{field}: not a run setting" in _refused(values)
+    with pytest.raises(StageConfigNotAllowed, match=rf"stage_configs\.{stage}\.{field}"):
+        build_graph(values)  # refused again where the configs enter the steps
+
+
 def test_the_forms_data_dir_default_is_the_platforms(monkeypatch, tmp_path):
     from operators.params import pipeline_params
 
