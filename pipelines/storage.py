@@ -91,18 +91,29 @@ def _gunzip_chunks(raw: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[bytes]:
     """Decompress gzip (multi-member too) incrementally.
 
     Unlike GzipFile, a truncated file still yields everything decoded before the cut, and then
-    raises EOFError, so the caller can keep those records and dead-letter the rest.
+    raises EOFError, so the caller can keep those records and dead-letter the rest; corrupt
+    data (a bad block or checksum) likewise yields what came before it, then raises
+    ValueError. Zero bytes after a complete member are padding, skipped as GzipFile skips them.
     """
     decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
     fed = False  # has the current member decoder seen any input?
+    members = 0  # members decoded to their end
     while data := raw.read(chunk_size):
         while data:
+            if members and not fed:
+                data = data.lstrip(b"\x00")
+                if not data:
+                    break
             fed = True
-            yield decoder.decompress(data)
+            try:
+                yield decoder.decompress(data)
+            except zlib.error as err:
+                raise ValueError(f"corrupt compressed data: {err}") from err
             if decoder.eof:
                 data = decoder.unused_data
                 decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
                 fed = False
+                members += 1
             else:
                 data = b""
     if fed and not decoder.eof:

@@ -83,3 +83,52 @@ def test_gzip_stream_writes_gzip_files_bytes_whatever_the_pieces():
         assert stream.sha256.hexdigest() == storage.sha256_hex(written)
     assert storage.gzip_bytes(payload) == reference.getvalue()
     assert gzip.decompress(storage.gzip_bytes(b"")) == b""
+
+
+def _records(n: int) -> bytes:
+    return b"".join(b'{"id": "%d", "text": "document %d"}\n' % (i, i) for i in range(n))
+
+
+@pytest.mark.parametrize(
+    ("damage", "kept", "dead"),
+    [
+        ("none", 40, 0),
+        ("zero padding after the member", 40, 0),  # as GzipFile reads it
+        ("a flipped byte mid-stream", None, 1),
+        ("a bad checksum", None, 1),  # decoded in one piece: nothing before it
+        ("garbage after the member", 40, 1),
+    ],
+)
+def test_a_corrupt_gzip_keeps_what_came_before_and_dead_letters_the_rest(
+    tmp_path, damage, kept, dead
+):
+    """Reading never crashes on a damaged file: records before the damage are kept and the
+    rest is one ``unreadable_file`` letter, never an exception that fails the stage."""
+    import gzip
+
+    from apache_beam import pvalue
+
+    from pipelines.beam_io import read_source
+
+    body = gzip.compress(_records(40), mtime=0)
+    if damage == "zero padding after the member":
+        body += bytes(512)
+    elif damage == "a flipped byte mid-stream":
+        body = body[:150] + bytes([body[150] ^ 0xFF]) + body[151:]
+    elif damage == "a bad checksum":
+        body = body[:-8] + bytes([body[-8] ^ 0xFF]) + body[-7:]
+    elif damage == "garbage after the member":
+        body += b"not gzip at all"
+    path = tmp_path / "corpus.jsonl.gz"
+    path.write_bytes(body)
+    (source,) = resolve_inputs([str(path)])
+    out = list(read_source(source))
+    letters = [o.value for o in out if isinstance(o, pvalue.TaggedOutput)]
+    records = [o for o in out if not isinstance(o, pvalue.TaggedOutput)]
+    assert len(letters) == dead, letters
+    assert all(letter["reason"] == "unreadable_file" for letter in letters)
+    if kept is None:  # what decoded before the damaged piece is kept, in order
+        kept = len(records)
+    assert [r[1]["id"] for r in records] == [str(i) for i in range(kept)]
+    if letters:  # the letter says where the unread rest begins
+        assert letters[0]["origin"].endswith(f":{kept + 1}"), letters
