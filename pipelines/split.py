@@ -14,6 +14,9 @@ Output (inputs of the ``tokenize`` stage, which reads JSONL.gz files)::
 
     train/<source>.jsonl.gz    heldout/<source>.jsonl.gz    split.json (counts)
 
+Every input document is counted: in its source's train or held-out file, or, when its source
+is not one the run trains on, under ``other_sources`` in ``split.json`` (and a warning).
+
 It streams line by line through fsspec (memory: one sha1 and length per document), which is
 right for this project's corpora; at web scale this belongs in a Beam stage in ``pipelines/``.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -32,6 +36,8 @@ import fsspec
 
 from pipelines.manifest import read_manifest
 from pipelines.storage import join
+
+log = logging.getLogger(__name__)
 
 
 def _documents(stage_output: str) -> Iterator[tuple[bytes, dict[str, Any]]]:
@@ -54,13 +60,27 @@ def split_documents(
     heldout_fraction: float,
     min_heldout_chars: int,
 ) -> dict[str, Any]:
-    """Write ``train/`` and ``heldout/`` files for ``sources``; returns counts per source."""
+    """Write ``train/`` and ``heldout/`` files for ``sources``; returns the counts (also
+    ``split.json``): per source train and held-out, and every input document accounted for:
+    ``records_in`` = the sources' documents + ``other_sources`` (documents of a source the
+    run does not train on, e.g. ingest's ``unknown``: counted by source, not written)."""
     wanted = set(sources)
     # Pass 1: per source, (hash, id, chars) of each document: decide the held-out ids.
     seen: dict[str, list[tuple[bytes, str, int]]] = defaultdict(list)
+    others: dict[str, int] = defaultdict(int)
+    records_in = 0
     for _, doc in _documents(stage_output):
+        records_in += 1
         if doc.get("source") in wanted:
             seen[doc["source"]].append((_key(doc["id"]), doc["id"], len(doc["text"])))
+        else:
+            others[str(doc.get("source"))] += 1
+    if others:
+        log.warning(
+            "split: %d documents of sources the run does not train on, not written: %s",
+            sum(others.values()),
+            dict(sorted(others.items())),
+        )
     heldout: set[str] = set()
     for source in sources:
         docs = sorted(seen.get(source, []))
@@ -92,7 +112,18 @@ def split_documents(
         for raw, gz in files.values():
             gz.close()
             raw.close()
-    summary = {"sources": counts, "heldout_fraction": heldout_fraction}
+    written = sum(n["train"] + n["heldout"] for n in counts.values())
+    if written + sum(others.values()) != records_in:  # the input changed between the passes
+        raise RuntimeError(
+            f"split: {records_in} documents read, {written} written and "
+            f"{sum(others.values())} of other sources: the input changed while it was split"
+        )
+    summary = {
+        "records_in": records_in,
+        "sources": counts,
+        "other_sources": dict(sorted(others.items())),
+        "heldout_fraction": heldout_fraction,
+    }
     with fsspec.open(join(out, "split.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary

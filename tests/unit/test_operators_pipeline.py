@@ -246,8 +246,12 @@ def test_split_is_deterministic_and_disjoint(tmp_path):
     )
     out1, out2 = tmp_path / "o1", tmp_path / "o2"
     r1 = split_documents(str(stage), str(out1), ["a", "b"], 0.1, 500)
-    split_documents(str(stage), str(out2), ["a"], 0.1, 500)
+    r2 = split_documents(str(stage), str(out2), ["a"], 0.1, 500)
     assert r1["sources"]["a"]["train"] + r1["sources"]["a"]["heldout"] == 40
+    # every document is accounted for: b's, not trained on in the second split, are counted
+    assert (r1["records_in"], r1["other_sources"]) == (80, {})
+    assert (r2["records_in"], r2["other_sources"]) == (80, {"b": 40})
+    assert json.loads((out2 / "split.json").read_text())["other_sources"] == {"b": 40}
     # 500 chars needs 2 documents of 250; the fraction asks for 4.
     assert r1["sources"]["a"]["heldout"] == 4
 
