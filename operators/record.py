@@ -30,7 +30,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from operators.run_steps import latest_attempts, step_states, stepless_failures
-from operators.step_lineage import StepLineageMixin
+from operators.step_lineage import StepLineageMixin, require_own_run
 
 # A training task killed from the UI is closed by the listener at once, but its trainer is
 # still checkpointing on SIGTERM; the task records where training can resume when it ends.
@@ -175,8 +175,9 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         store = self.lineage_store()
         try:
             # Before reading or writing anything of the run: record runs all_done, even after
-            # validate refused a run id another DAG owns (RunIdConflict).
-            store.require_owner(run_id, self.dag_id)
+            # validate refused a run id another DAG owns (RunIdConflict) or whose folder
+            # another run has (RunFolderTaken).
+            require_own_run(store, run_id, self.dag_id)
             task_states = run_task_states(context)
             closed = close_leftovers(store, run_id, task_states, self.dag_id)
             try:

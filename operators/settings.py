@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +93,46 @@ def write_run_file(run_id: str, name: str, body: Any) -> str:
     return write_run_text(run_id, name, json.dumps(body, indent=2, default=str))
 
 
-def run_folder(run_id: str) -> str:
-    """One DAG run's own files (its resolved graph, its summary): ``{root}/runs/<run_id>``,
-    the run id with anything but letters, digits and ``-_.+`` replaced by ``_``, and a
-    leading dot too (a run id of ``..`` must not name the folder above)."""
+def run_folder_name(run_id: str) -> str:
+    """The run folder's name: the run id with anything but letters, digits and ``-_.+``
+    replaced by ``_``, and a leading dot too (a run id of ``..`` must not name the folder
+    above). Not one-to-one (``a:b`` and ``a_b`` share ``a_b``): see :func:`run_folder_twin`."""
     safe = "".join(c if c.isalnum() or c in "-_.+" else "_" for c in run_id)
     if not safe or safe.startswith("."):
         safe = "_" + safe
+    return safe
+
+
+def run_folder(run_id: str) -> str:
+    """One DAG run's own files (its resolved graph, its summary): ``{root}/runs/<name>``
+    (:func:`run_folder_name`)."""
+    safe = run_folder_name(run_id)
     root = storage_root()
     return f"{root.rstrip('/')}/runs/{safe}" if "://" in root else os.path.join(root, "runs", safe)
+
+
+class RunFolderTaken(ValueError):
+    """Another recorded run's id names the same run folder as this run's."""
+
+
+def run_folder_twin(run_id: str, recorded: Iterable[str]) -> str | None:
+    """A recorded run id, other than ``run_id``, whose run folder is ``run_id``'s, or None."""
+    name = run_folder_name(run_id)
+    return min((r for r in recorded if r != run_id and run_folder_name(r) == name), default=None)
+
+
+def require_own_run_folder(run_id: str, recorded: Iterable[str]) -> None:
+    """Raise :class:`RunFolderTaken` when ``run_id`` would write into the folder of a run
+    already recorded (``recorded``: lineage's run ids) under another id, e.g. a run id given
+    through the REST API as ``scheduled__2026-01-01T02_00_00+00_00`` beside the night
+    ``scheduled__2026-01-01T02:00:00+00:00``: its graph, summary and report would overwrite
+    that run's."""
+    twin = run_folder_twin(run_id, recorded)
+    if twin is not None:
+        raise RunFolderTaken(
+            f"run id {run_id!r} names the run folder {run_folder_name(run_id)!r}, which belongs "
+            f"to the recorded run {twin!r}: trigger this run with another run id"
+        )
 
 
 def lineage_url() -> str:

@@ -82,6 +82,16 @@ def split_output_artifacts(spec: StepSpec, result: StepResult) -> list[ArtifactR
     ]
 
 
+def require_own_run(store: Any, run_id: str, pipeline: str) -> None:
+    """Raise ``RunIdConflict`` when another DAG recorded this run id first, and
+    ``RunFolderTaken`` when another run id names the same run folder (docs/
+    steps_and_lineage.md): this run must not read or write the other run's."""
+    from operators.settings import require_own_run_folder
+
+    store.require_owner(run_id, pipeline)
+    require_own_run_folder(run_id, store.run_ids())
+
+
 def resolve_uri(uri: Any, root: str) -> str:
     if isinstance(uri, OutputRef):
         return join(output_path(root, uri.step), uri.subpath)
@@ -174,15 +184,15 @@ class StepLineageMixin:
         return LineageStore(lineage_url())
 
     def require_run_owned(self, context: Mapping[str, Any]) -> None:
-        """Raise ``RunIdConflict`` when another DAG recorded this run id first (docs/
-        steps_and_lineage.md). For ``all_done`` tasks, which run even after the run's first
-        task was refused: they must not read or write the other DAG's run."""
+        """:func:`require_own_run` on a store of its own. For ``all_done`` tasks, which run
+        even after the run's first task was refused: they must not read or write another
+        run's records or folder."""
         run_id = context.get("run_id")
         if not run_id:
             return
         store = self.lineage_store()
         try:
-            store.require_owner(run_id, self.dag_id)
+            require_own_run(store, run_id, self.dag_id)
         finally:
             store.close()
 

@@ -32,9 +32,13 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
+        from operators.settings import require_own_run_folder
+
         params = self.run_params(context)
         store = self.lineage_store()
         try:
+            if context.get("run_id"):  # before anything is recorded under it
+                require_own_run_folder(context["run_id"], store.run_ids())
             with store.recording("validate", run_id=context.get("run_id"), pipeline=self.dag_id):
                 self.check(params)
         finally:

@@ -782,6 +782,11 @@ class LineageStore:
         with self._read() as session:
             return _run_owners(session, run_id)
 
+    def run_ids(self) -> set[str]:
+        """Every run id with an execution recorded."""
+        with self._read() as session:
+            return set(session.execute(select(Execution.run_id).distinct()).scalars())
+
     def require_owner(self, run_id: str, pipeline: str | None) -> None:
         """``RunIdConflict`` unless ``pipeline``'s run ``run_id`` may act on the executions
         recorded under that id: none recorded yet, or recorded by this pipeline (or without

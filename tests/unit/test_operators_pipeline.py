@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -316,6 +317,30 @@ def test_record_refuses_a_run_id_another_dag_recorded(home, params):
     with _store(home) as store:
         assert store.execution(other).state == ExecutionState.RUNNING  # not closed by record
         assert [e.name for e in store.executions("shared")] == ["fetch"]
+
+
+@pytest.mark.parametrize(
+    "twin", ["scheduled__2026-01-01T02_00_00+00_00", "scheduled__2026-01-01T02~00~00+00~00"]
+)
+def test_a_run_id_naming_another_runs_folder_is_refused(home, params, twin):
+    """Run folders are named after the run id with ``:`` and other characters replaced, so
+    an id given through the REST API can name a recorded run's folder: validate refuses it
+    before recording anything, and the all_done tasks (record) write nothing into it."""
+    from operators.record import RecordRunOperator
+    from operators.settings import RunFolderTaken, run_folder
+    from operators.validate import ValidateRunOperator
+
+    night = "scheduled__2026-01-01T02:00:00+00:00"
+    with _store(home) as store:
+        store.start_execution("fetch", run_id=night, pipeline=RecordRunOperator().dag_id)
+    assert run_folder(twin) == run_folder(night)
+    for task in (ValidateRunOperator(), RecordRunOperator()):
+        with pytest.raises(RunFolderTaken, match=re.escape(repr(night))):
+            task.execute(_context(params, twin))
+    assert not Path(run_folder(night), "summary.json").exists()
+    with _store(home) as store:
+        assert store.run_ids() == {night}  # nothing recorded under the twin
+    ValidateRunOperator().execute(_context(params, night))  # the folder's own run goes on
 
 
 def test_jobset_hook_backends():
