@@ -155,7 +155,9 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         """Validate everything and add the worker options; nothing is launched when a value
         is refused."""
         from operators.hooks.beam import gcp_connection_project
+        from operators.policy import enforce
 
+        enforce(params)  # again where the project, identity, image and buckets are used
         check_remote_paths(options)
         run = dict(params.get("dataflow") or {})
         platform = platform_dataflow_settings()

@@ -101,7 +101,9 @@ def trainer_launch(
     from operators.jobset import TrainingLaunch
     from operators.jobset.catalogue import resolve
     from operators.jobset.mesh import launch_mesh, mesh_args
+    from operators.policy import enforce
 
+    enforce(params)  # again where the image and the cluster's identity are used
     slices = int(params["slices"]) if slices is None else slices
     shape = resolve(params["accelerator"], params["topology"], slices)
     mesh = launch_mesh(shape, params["model_preset"], params.get("mesh") or {})

@@ -24,10 +24,22 @@ variable                                   what it adds to the platform's own va
                                            ending in ``/``; the repositories of
                                            ``$SLIPWAY_TRAINER_IMAGE`` and
                                            ``$SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE`` always
+``SLIPWAY_ALLOWED_DATAFLOW_PROJECTS``      ``dataflow.project_id``
+                                           (``$SLIPWAY_DATAFLOW_PROJECT_ID``)
+``SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS``     ``dataflow.temp_location`` and ``staging_location``:
+                                           at or below an entry (``gs://`` prefixes); the
+                                           platform's ``$SLIPWAY_DATAFLOW_TEMP_LOCATION``,
+                                           ``$SLIPWAY_DATAFLOW_STAGING_LOCATION`` and a
+                                           ``gs://`` storage root (``$SLIPWAY_HOME``) always
 =========================================  =====================================================
 
+``gke.context`` picks a context of ``gke.kubeconfig``: without an allowed kubeconfig it would
+pick the worker's default one (``~/.kube/config``), so a run names a context only beside one.
+
 Where corpora may be read from is :func:`operators.settings.allowed_data_roots`. Checked by
-:func:`operators.params.check_run_config` (the DAG's ``validate`` task, ``slipway plan``).
+:func:`operators.params.check_run_config` (the DAG's ``validate`` task, ``slipway plan``), and
+again where the values are used (:func:`enforce`: the trainer launch, the Dataflow launch), so
+a run whose ``validate`` was marked successful by hand still cannot use what it names.
 Standard library only.
 """
 
@@ -48,6 +60,8 @@ ALLOW_ENV = {
     "service_accounts": "SLIPWAY_ALLOWED_SERVICE_ACCOUNTS",
     "dataflow_service_accounts": "SLIPWAY_ALLOWED_DATAFLOW_SERVICE_ACCOUNTS",
     "images": "SLIPWAY_ALLOWED_IMAGES",
+    "dataflow_projects": "SLIPWAY_ALLOWED_DATAFLOW_PROJECTS",
+    "dataflow_locations": "SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS",
 }
 # The platform's own values, always allowed (the form's defaults on a chart deploy).
 _PLATFORM_VALUE_ENV = {
@@ -55,7 +69,17 @@ _PLATFORM_VALUE_ENV = {
     "service_accounts": ("SLIPWAY_TRAINER_SERVICE_ACCOUNT",),
     "dataflow_service_accounts": ("SLIPWAY_DATAFLOW_SERVICE_ACCOUNT",),
     "images": ("SLIPWAY_TRAINER_IMAGE", "SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE"),
+    "dataflow_projects": ("SLIPWAY_DATAFLOW_PROJECT_ID",),
+    "dataflow_locations": (
+        "SLIPWAY_DATAFLOW_TEMP_LOCATION",
+        "SLIPWAY_DATAFLOW_STAGING_LOCATION",
+        "SLIPWAY_HOME",
+    ),
 }
+
+
+class PolicyViolation(ValueError):
+    """A run names what the platform does not allow, found where it would be used."""
 
 
 def env_list(environ: Mapping[str, str], name: str) -> tuple[str, ...]:
@@ -73,6 +97,8 @@ class RunPolicy:
     service_accounts: tuple[str, ...] = ()
     dataflow_service_accounts: tuple[str, ...] = ()
     images: tuple[str, ...] = ()  # repositories, or prefixes ending in "/"
+    dataflow_projects: tuple[str, ...] = ()
+    dataflow_locations: tuple[str, ...] = ()  # gs:// prefixes
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RunPolicy:
@@ -84,6 +110,8 @@ class RunPolicy:
                 value = environ.get(platform, "").strip()
                 if value and field == "images":
                     value = image_repository(value) or value
+                if field == "dataflow_locations" and not value.startswith("gs://"):
+                    continue  # a local storage root: Dataflow stages nothing there
                 if value:
                     values.append(value)
             if field == "gcp_conn_ids":
@@ -99,6 +127,18 @@ class RunPolicy:
             repo.startswith(entry) if entry.endswith("/") else repo == entry
             for entry in self.images
         )
+
+    def location_allowed(self, location: str) -> bool:
+        """``location`` at or below an allowed ``gs://`` prefix, without ``.``/``..`` parts."""
+        if not location.startswith("gs://"):
+            return False
+        if any(part in (".", "..") for part in location[len("gs://") :].split("/")):
+            return False
+        for entry in self.dataflow_locations:
+            root = entry.rstrip("/")
+            if location.rstrip("/") == root or location.startswith(root + "/"):
+                return True
+        return False
 
     def problems(self, params: Mapping[str, Any]) -> list[str]:
         """Every form value the platform does not allow, as ``field: why`` sentences."""
@@ -124,6 +164,11 @@ class RunPolicy:
                 allowed = getattr(self, field)
                 if value not in (None, "") and value not in allowed:
                     refuse(f"gke.{key}", value, allowed, ALLOW_ENV[field])
+            if gke.get("context") not in (None, "") and gke.get("kubeconfig") in (None, ""):
+                out.append(
+                    f"gke.context {gke['context']!r}: names a context of gke.kubeconfig, and "
+                    "none is given (alone it would pick the worker's default kubeconfig)"
+                )
             image = params.get("image")
             if isinstance(image, str) and image_repository(image) and not self.image_allowed(image):
                 refuse("image", image, self.images, ALLOW_ENV["images"])
@@ -145,4 +190,31 @@ class RunPolicy:
             image = dataflow.get("sdk_container_image")
             if isinstance(image, str) and image_repository(image) and not self.image_allowed(image):
                 refuse("dataflow.sdk_container_image", image, self.images, ALLOW_ENV["images"])
+            project = dataflow.get("project_id")
+            if project not in (None, "") and project not in self.dataflow_projects:
+                refuse(
+                    "dataflow.project_id",
+                    project,
+                    self.dataflow_projects,
+                    ALLOW_ENV["dataflow_projects"],
+                )
+            for key in ("temp_location", "staging_location"):
+                value = dataflow.get(key)
+                if value not in (None, "") and not (
+                    isinstance(value, str) and self.location_allowed(value)
+                ):
+                    refuse(
+                        f"dataflow.{key}",
+                        value,
+                        self.dataflow_locations,
+                        ALLOW_ENV["dataflow_locations"],
+                    )
         return out
+
+
+def enforce(params: Mapping[str, Any]) -> None:
+    """Raise :class:`PolicyViolation` with every problem of :meth:`RunPolicy.problems`: at
+    the point of use, so a refused value is refused even when ``validate`` did not run."""
+    problems = RunPolicy.from_env().problems(params)
+    if problems:
+        raise PolicyViolation("the platform does not allow this run:\n  " + "\n  ".join(problems))

@@ -116,6 +116,12 @@ def boundary(monkeypatch, tmp_path):
     monkeypatch.setenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT", json.dumps(conn))
     for name in DATAFLOW_FIELDS:
         monkeypatch.delenv(f"SLIPWAY_DATAFLOW_{name.upper()}", raising=False)
+    # The platform's run policy allows the test project's identity, image, project and bucket
+    # (operators/policy.py; the launch checks it again: tests/unit/test_run_validation.py).
+    monkeypatch.setenv("SLIPWAY_ALLOWED_DATAFLOW_SERVICE_ACCOUNTS", ACCOUNT)
+    monkeypatch.setenv("SLIPWAY_ALLOWED_IMAGES", IMAGE.rsplit(":", 1)[0])
+    monkeypatch.setenv("SLIPWAY_ALLOWED_DATAFLOW_PROJECTS", PROJECT)
+    monkeypatch.setenv("SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS", BUCKET)
     return FakeDataflow
 
 

@@ -92,6 +92,8 @@ READ_BY_OPERATORS = frozenset(
                 "DATAFLOW_SERVICE_ACCOUNTS",
                 "GCP_CONN_IDS",
                 "KUBECONFIGS",
+                "DATAFLOW_PROJECTS",
+                "DATAFLOW_LOCATIONS",
             )
         ),
     }
@@ -959,9 +961,13 @@ def test_run_policy_values_become_the_allow_lists(monkeypatch: pytest.MonkeyPatc
             runPolicy={
                 "namespaces": ["research-a", "research-b"],
                 "dataRoots": ["gs://example-project-slipway/shared-corpora"],
+                "dataflowProjects": ["research-proj"],
+                "dataflowLocations": ["gs://research-scratch/dataflow"],
             }
         )
     )
+    assert data["SLIPWAY_ALLOWED_DATAFLOW_PROJECTS"] == "research-proj"
+    assert data["SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS"] == "gs://research-scratch/dataflow"
     assert data["SLIPWAY_ALLOWED_NAMESPACES"] == "research-a,research-b"
     assert data["SLIPWAY_ALLOWED_DATA_ROOTS"] == "gs://example-project-slipway/shared-corpora"
     for name in [n for n in os.environ if n.startswith("SLIPWAY_")]:

@@ -394,11 +394,13 @@ def _run_form(**conf: Any) -> dict[str, Any]:
     return params.validate()
 
 
-def test_multislice_v5p_manifest_carries_the_matching_mesh():
+def test_multislice_v5p_manifest_carries_the_matching_mesh(monkeypatch):
     """The rendered GKE JobSet of an 8b run on 2 v5p slices: replica across the slices, the
     parameters sharded (fsdp) inside each, and the megascale settings the mesh relies on."""
     from operators.launching import trainer_launch
     from trainer.distributed import mesh_shape
+
+    monkeypatch.setenv("SLIPWAY_TRAINER_IMAGE", "us-docker.pkg.dev/proj/slipway/trainer:1")
 
     params = _run_form(
         model_preset="8b",

@@ -318,6 +318,95 @@ def test_dataflow_identity_and_image_come_from_the_platform(dag, monkeypatch):
     assert "dataflow.sdk_container_image 'docker.io/evil/beam:1' is not allowed" in message
 
 
+@pytest.fixture
+def dataflow_platform(monkeypatch):
+    monkeypatch.setenv("SLIPWAY_HOME", "gs://slipway-data/home")
+    monkeypatch.setenv("SLIPWAY_DATA_DIR", "gs://slipway-data/corpora")
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_PROJECT_ID", "proj-1")
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_LOCATION", "us-central1")
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_TEMP_LOCATION", "gs://slipway-data/dataflow/tmp")
+    monkeypatch.setenv("SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE", "us-docker.pkg.dev/p/s/beam:1")
+    for name in ("SLIPWAY_ALLOWED_DATAFLOW_PROJECTS", "SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _dataflow(dag, settings):
+    return _form(
+        dag, runner="DataflowRunner", data_dir="gs://slipway-data/corpora", dataflow=settings
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "named", "variable"),
+    [
+        ({"project_id": "someone-elses-proj"}, "project_id", "SLIPWAY_ALLOWED_DATAFLOW_PROJECTS"),
+        ({"temp_location": "gs://attacker/t"}, "temp_location", "ALLOWED_DATAFLOW_LOCATIONS"),
+        ({"temp_location": "gs://slipway-data/home2"}, "temp_location", "ALLOWED_DATAFLOW_LOC"),
+        ({"temp_location": "gs://slipway-data/home/../x"}, "temp_location", "ALLOWED_DATAFLOW"),
+    ],
+)
+def test_dataflow_projects_and_buckets_come_from_the_platform(
+    dag, dataflow_platform, change, named, variable
+):
+    """The platform's identities stage files in, and run jobs in, only the platform's own
+    projects and buckets (or the allow-listed ones)."""
+    message = _refused(_dataflow(dag, change))
+    assert f"dataflow.{named} {change[named]!r} is not allowed by the platform" in message
+    assert variable in message
+
+
+def test_the_platforms_own_dataflow_projects_and_buckets_are_accepted(dag, dataflow_platform):
+    from operators.pipeline.form import check_run_config
+
+    for change in (
+        {"project_id": "proj-1"},
+        {"temp_location": "gs://slipway-data/dataflow/tmp/run-1"},  # below the platform's
+        {"temp_location": "gs://slipway-data/home/tmp"},  # below the storage root
+    ):
+        check_run_config(_dataflow(dag, change))
+    dataflow_platform.setenv("SLIPWAY_ALLOWED_DATAFLOW_PROJECTS", "proj-2")
+    dataflow_platform.setenv("SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS", "gs://team-scratch/")
+    check_run_config(
+        _dataflow(dag, {"project_id": "proj-2", "temp_location": "gs://team-scratch/df"})
+    )
+
+
+def test_a_kube_context_needs_an_allowed_kubeconfig(dag, gke_platform, tmp_path):
+    """Alone, a context would pick a user of the worker's default kubeconfig."""
+    from operators.pipeline.form import check_run_config
+
+    message = _refused(_gke(dag, context="prod-cluster-admin"))
+    assert "gke.context 'prod-cluster-admin': names a context of gke.kubeconfig" in message
+    kubeconfig = str(tmp_path / "kubeconfig")
+    gke_platform.setenv("SLIPWAY_ALLOWED_KUBECONFIGS", kubeconfig)
+    check_run_config(
+        _form(
+            dag,
+            backend="gke",
+            image=IMAGE,
+            gke={"namespace": "slipway-training", "kubeconfig": kubeconfig, "context": "training"},
+        )
+    )
+
+
+def test_the_policy_is_enforced_where_values_are_used_too(dag, gke_platform, dataflow_platform):
+    """A run whose validate task was marked successful by hand still cannot launch with what
+    the platform refuses: the trainer launch and the Dataflow launch check again."""
+    from operators.beam_stage import BeamStageOperator
+    from operators.launching import trainer_launch
+    from operators.policy import PolicyViolation
+
+    refused = _gke(dag, service_account="cluster-admin")
+    with pytest.raises(PolicyViolation, match=r"gke\.service_account 'cluster-admin'"):
+        trainer_launch("train-x", refused, config_uri="gs://slipway-data/home/c.json")
+    trainer_launch("train-x", _gke(dag), config_uri="gs://slipway-data/home/c.json")
+    stage = BeamStageOperator(stage_task="ingest")
+    flow = _dataflow(dag, {"temp_location": "gs://attacker/t"})
+    with pytest.raises(PolicyViolation, match=r"dataflow\.temp_location 'gs://attacker/t'"):
+        stage._dataflow_job(None, flow, None, {"output": "gs://slipway-data/home/x"})
+
+
 @pytest.mark.parametrize(
     ("conf", "named"),
     [
