@@ -40,11 +40,28 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
             if context.get("run_id"):  # before anything is recorded under it
                 require_own_run_folder(context["run_id"], store.run_ids())
             with store.recording("validate", run_id=context.get("run_id"), pipeline=self.dag_id):
+                self.refuse_undeclared(context.get("params") or {})
                 self.check(params)
         finally:
             store.close()
         self.log.info("run form valid")
         return {"valid": True}
+
+    def refuse_undeclared(self, params: Any) -> None:
+        """Airflow turns a trigger's conf keys that the DAG's form does not declare into
+        params without a schema: a pipeline field the sweep's form leaves out, or a typo,
+        would pass every check unchecked. Refuse them, naming each."""
+        from operators.pipeline.form import RunConfigError
+
+        if not self.has_dag():
+            return
+        declared = set(self.dag.params)
+        undeclared = sorted(k for k in params if k not in declared)
+        if undeclared:
+            raise RunConfigError(
+                "invalid run configuration:\n  "
+                + "\n  ".join(f"{k}: not a field of {self.dag_id}'s form" for k in undeclared)
+            )
 
     def check(self, params: dict[str, Any]) -> None:
         """Raise ``RunConfigError`` listing every problem of the form (a DAG with more

@@ -81,3 +81,18 @@ print(json.dumps(heavy))
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_conf_keys_the_form_does_not_declare_are_refused(dag):
+    """Airflow keeps a trigger's undeclared conf keys as params without a schema: the
+    pipeline fields the sweep's form leaves out (steps, model_name) would pass unchecked."""
+    from operators.pipeline.form import RunConfigError
+
+    validate = dag.get_task("validate")
+    declared = dict(dag.params)
+    validate.refuse_undeclared(declared)  # the form's own fields
+    with pytest.raises(RunConfigError) as err:
+        validate.refuse_undeclared({**declared, "steps": 10**18, "model_name": "x\n../y"})
+    message = str(err.value)
+    assert "steps: not a field of slipway_scaling_sweep's form" in message
+    assert "model_name: not a field of slipway_scaling_sweep's form" in message
