@@ -65,6 +65,9 @@ class StatusRecord:
     error: str | None = None
     traceback: str | None = None
     result: Any = None
+    # FAILED because its task was killed (SIGTERM from the UI, a timeout, Ctrl-C): not a
+    # failure of the step, so a runner that waited on it runs the step instead of failing too.
+    terminated: bool | None = None
 
     def to_bytes(self) -> bytes:
         body = {k: v for k, v in self.__dict__.items() if v is not None}
@@ -134,11 +137,14 @@ def probe(root: str, step: Step, store: Store | None = None) -> StepState:
 
 
 def _owns(store: Store, out: str, generation: int, owner: str) -> bool:
-    """The ownership check of every lease holder: our generation, and no next one."""
+    """The ownership check of every lease holder: our generation, not released, and no next
+    one. A released lease is ended: a late renew (a trigger's in-flight renewal racing its
+    ``on_kill``, a duplicate trigger after a triggerer failover) must not bring it back and
+    turn a SUCCESS or FAILED marker into RUNNING."""
     if _read_lease(store, out, generation + 1) is not None:
         return False  # someone created the next generation: we were taken over
     lease = _read_lease(store, out, generation)
-    return lease is not None and lease.owner == owner
+    return lease is not None and lease.owner == owner and not lease.released
 
 
 @dataclass(frozen=True)
@@ -230,12 +236,17 @@ class HeldLease:
         store = self._store
         if not _owns(store, self.output, self.generation, self.owner):
             return False
+        terminated = None
         if isinstance(error, BaseException):
             message = f"{type(error).__name__}: {error}"
             trace = "".join(tb.format_exception(error))[-TRACEBACK_TAIL_CHARS:]
+            # Airflow's AirflowTaskTerminated, KeyboardInterrupt, SystemExit: BaseExceptions
+            # that end a process, never raised by the step's own work.
+            terminated = True if not isinstance(error, Exception) else None
         else:
             message, trace = error, None
-        self._write(store, self.record(Status.FAILED, error=message, traceback=trace))
+        record = self.record(Status.FAILED, error=message, traceback=trace, terminated=terminated)
+        self._write(store, record)
         self._release(store)
         return True
 

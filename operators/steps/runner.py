@@ -121,6 +121,7 @@ class StepRunner:
                 and failed is not None
                 and failed.status is Status.FAILED
                 and failed.owner == waited_for
+                and not failed.terminated  # killed, not failed: run it (resuming its work)
             ):
                 raise StepFailedElsewhere(f"{step.key}: run by {waited_for} failed: {failed.error}")
             if action is Action.WAIT:

@@ -245,6 +245,34 @@ def test_waiter_does_not_rerun_a_failure_it_waited_for(tmp_path):
     thread.join()
 
 
+def test_a_waiter_runs_a_step_whose_owner_was_killed(tmp_path):
+    """A task killed while it ran the step (AirflowTaskTerminated: marked failed from the UI,
+    a timeout) did not fail the step: a runner that waited on it (the cleared task, another
+    DAG sharing the step) runs it instead of failing with StepFailedElsewhere."""
+    from airflow.sdk.exceptions import AirflowTaskTerminated
+
+    step = Step("killed", {})
+    started = threading.Event()
+
+    def killed(spec: StepSpec):
+        started.set()
+        time.sleep(0.3)
+        raise AirflowTaskTerminated("Task received SIGTERM signal")
+
+    def hold():
+        with pytest.raises(AirflowTaskTerminated):
+            StepRunner(str(tmp_path), owner="A").run(step, killed)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert started.wait(5)
+    calls: list[str] = []
+    result = StepRunner(str(tmp_path), owner="B", poll_seconds=0.02).run(step, _counting(calls))
+    thread.join()
+    assert result.outcome is Outcome.RAN and len(calls) == 1
+    assert result.status.status is Status.SUCCESS and result.status.owner == "B"
+
+
 def test_stale_lease_is_taken_over(tmp_path):
     step = Step("tokenize", {})
     _write_lease(tmp_path, step, Lease(0, "dead-host:123", time.time() - 5))
@@ -299,6 +327,9 @@ def test_held_lease_leaves_the_step_running_until_it_is_ended(tmp_path):
     assert record.status is Status.SUCCESS and _marker(tmp_path, step)["result"] == {"loss": 1.5}
     current = steps.current_lease(steps.LocalStore(), output_path(str(tmp_path), step))
     assert current is not None and current.released  # released, so a rerun need not wait
+    # Ended is ended: a late renew (in flight when the step ended) or fail changes nothing.
+    assert not lease.owned() and not lease.renew() and not lease.fail("late")
+    assert _marker(tmp_path, step)["status"] == "SUCCESS"
     again = StepRunner(str(tmp_path), owner="later").run(step, lambda spec: pytest.fail("ran"))
     assert again.outcome is Outcome.CACHED
 
