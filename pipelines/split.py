@@ -15,7 +15,8 @@ Output (inputs of the ``tokenize`` stage, which reads JSONL.gz files)::
     train/<source>.jsonl.gz    heldout/<source>.jsonl.gz    split.json (counts)
 
 Every input document is counted: in its source's train or held-out file, or, when its source
-is not one the run trains on, under ``other_sources`` in ``split.json`` (and a warning).
+is not one the run trains on, under ``other_sources`` (``split.json``, the step's result, and a
+warning).
 
 It streams line by line through fsspec (memory: one sha1 and length per document), which is
 right for this project's corpora; at web scale this belongs in a Beam stage in ``pipelines/``.
@@ -60,10 +61,11 @@ def split_documents(
     heldout_fraction: float,
     min_heldout_chars: int,
 ) -> dict[str, Any]:
-    """Write ``train/`` and ``heldout/`` files for ``sources``; returns the counts (also
-    ``split.json``): per source train and held-out, and every input document accounted for:
-    ``records_in`` = the sources' documents + ``other_sources`` (documents of a source the
-    run does not train on, e.g. ingest's ``unknown``: counted by source, not written)."""
+    """Write ``train/`` and ``heldout/`` files for ``sources``; returns the counts: per source
+    train and held-out, and every input document accounted for: ``records_in`` = the sources'
+    documents + ``other_sources`` (documents of a source the run does not train on, e.g.
+    ingest's ``unknown``: counted by source, not written). ``split.json`` holds the same but
+    ``records_in``, and ``other_sources`` only when there are any."""
     wanted = set(sources)
     # Pass 1: per source, (hash, id, chars) of each document: decide the held-out ids.
     seen: dict[str, list[tuple[bytes, str, int]]] = defaultdict(list)
@@ -118,12 +120,10 @@ def split_documents(
             f"split: {records_in} documents read, {written} written and "
             f"{sum(others.values())} of other sources: the input changed while it was split"
         )
-    summary = {
-        "records_in": records_in,
-        "sources": counts,
-        "other_sources": dict(sorted(others.items())),
-        "heldout_fraction": heldout_fraction,
-    }
+    summary: dict[str, Any] = {"sources": counts, "heldout_fraction": heldout_fraction}
+    if others:  # only then: a split of the run's own sources keeps its split.json bytes
+        summary["other_sources"] = dict(sorted(others.items()))
     with fsspec.open(join(out, "split.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
-    return summary
+    # the step's result (its marker, lineage) always accounts for every document
+    return {"records_in": records_in, "other_sources": dict(sorted(others.items())), **summary}

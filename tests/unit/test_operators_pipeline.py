@@ -253,6 +253,7 @@ def test_split_is_deterministic_and_disjoint(tmp_path):
     assert (r1["records_in"], r1["other_sources"]) == (80, {})
     assert (r2["records_in"], r2["other_sources"]) == (80, {"b": 40})
     assert json.loads((out2 / "split.json").read_text())["other_sources"] == {"b": 40}
+    assert "other_sources" not in json.loads((out1 / "split.json").read_text())  # bytes as before
     # 500 chars needs 2 documents of 250; the fraction asks for 4.
     assert r1["sources"]["a"]["heldout"] == 4
 
