@@ -37,6 +37,34 @@ DATASET, TOKENIZER, TOKEN_STORE = "dataset", "tokenizer", "token_store"
 EVAL_SAMPLES = 5  # greedy completions of trainer.evaluate's fixed prompts, in every run
 EVAL_STORES = ("lambada",)  # eval sets tokenized as held-out prose (data/eval/<name>.jsonl.gz)
 EVAL_STORE_PREFIX = "eval-"  # eval sets tokenized as held-out stores: eval-<name>
+# What a step computes beyond the config its version hashes: its code, and the defaults of
+# the config it does not spell out (the stage config dataclasses in pipelines/configs.py, the
+# trainer's TrainConfig and presets). Bump a step's number when a change to either changes
+# what it writes, so that runs stop reusing outputs computed the old way: its version, and
+# every downstream version, changes. 0 enters no version (the versions from before these
+# numbers stand). tests/unit/test_step_versions.py fails when a default changes without a bump.
+OUTPUT_VERSIONS: dict[str, int] = {
+    "ingest": 0,
+    "quality": 0,
+    "exact_dedup": 0,
+    "fuzzy_dedup": 0,
+    "decontaminate": 0,
+    "train_tokenizer": 0,
+    "tokenize": 0,
+    "split": 0,
+    "train": 0,
+    "evaluate": 0,
+    "export": 0,
+}
+
+
+def with_output_version(kind: str, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``kind``'s :data:`OUTPUT_VERSIONS` number, when it is not 0."""
+    if OUTPUT_VERSIONS[kind]:
+        config["output_version"] = OUTPUT_VERSIONS[kind]
+    return config
+
+
 # Stage-config fields that name files: in a run the graph supplies them (the eval sets from
 # ``data_dir``'s checked root, the tokenizer from the run's own step), so a run's
 # ``stage_configs`` may not set them; the stage CLIs keep them for runs by hand.
@@ -295,7 +323,7 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
             "num_shards": shards,
             **(options if versioned is None else versioned),
         }
-        step = Step(step_name or name, config, unversioned=how)
+        step = Step(step_name or name, with_output_version(name, config), unversioned=how)
         return StageStep(step, name, {**options, "num_shards": shards}, output_type, inputs)
 
     # The document stages, wired as the task table says: each reads the output of its
@@ -324,12 +352,15 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
     decon = documents["decontaminate"]
     split = Step(
         "split",
-        {
-            "input": stage_output(decon.step),
-            "sources": names,
-            "heldout_fraction": float(params["heldout_fraction"]),
-            "min_heldout_chars": 20_000,
-        },
+        with_output_version(
+            "split",
+            {
+                "input": stage_output(decon.step),
+                "sources": names,
+                "heldout_fraction": float(params["heldout_fraction"]),
+                "min_heldout_chars": 20_000,
+            },
+        ),
     )
 
     def split_file(kind: str, name: str) -> Any:
@@ -374,7 +405,9 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
 
     train = Step(
         "train",
-        train_step_config(params, {n: stage_output(train_stores[n]) for n in names}),
+        with_output_version(
+            "train", train_step_config(params, {n: stage_output(train_stores[n]) for n in names})
+        ),
         unversioned={
             "accelerator": params["accelerator"],
             "topology": params["topology"],
@@ -405,10 +438,15 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
             "task_sets": {s: cid(evals[s]) if s in evals else None for s in sets},
         }
         evaluate_how["task_data"] = join(data, "eval")
-    evaluate = Step("evaluate", evaluate_config, unversioned=evaluate_how)
+    evaluate = Step(
+        "evaluate", with_output_version("evaluate", evaluate_config), unversioned=evaluate_how
+    )
     export = Step(
         "export",
-        {"train": output_of(train), "tokenizer": stage_output(tok.step, "tokenizer.model")},
+        with_output_version(
+            "export",
+            {"train": output_of(train), "tokenizer": stage_output(tok.step, "tokenizer.model")},
+        ),
         unversioned={"backend": params["backend"], "image": params["image"]},
     )
     return Graph(

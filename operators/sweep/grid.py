@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from operators.pipeline.graph import with_output_version
 from operators.steps import Step, output_of
 
 SHAPE_KEYS = (
@@ -151,6 +152,8 @@ def cell_train_step(cell: Mapping[str, Any], graph: Any) -> Step:
         "recipe": cell["recipe"],
         "label": cell["label"],
     }
+    # the trainer's code and defaults, as the pipeline's train step counts them
+    config = with_output_version("train", config)
     return Step(f"sweep/train/{cell_slug(cell)}", config, unversioned=unversioned)
 
 
@@ -162,12 +165,15 @@ def cell_evaluate_step(
     pipeline_eval = graph.evaluate.config
     return Step(
         f"sweep/evaluate/{cell_slug(cell)}",
-        {
-            "train": output_of(train),
-            "stores": {k: pipeline_eval["stores"][k] for k in stores},
-            "tokenizer": pipeline_eval["tokenizer"],
-            "max_tokens": int(max_tokens),
-        },
+        with_output_version(
+            "evaluate",
+            {
+                "train": output_of(train),
+                "stores": {k: pipeline_eval["stores"][k] for k in stores},
+                "tokenizer": pipeline_eval["tokenizer"],
+                "max_tokens": int(max_tokens),
+            },
+        ),
         unversioned=dict(graph.evaluate.unversioned),
     )
 
