@@ -37,7 +37,7 @@ GKE-only here is the deferral's Airflow side (submit, defer, follow another run'
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -72,9 +72,30 @@ FAULT_POLL_SECONDS = 0.05  # small models run hundreds of steps a second once co
 # -- trainer output files: trainer/rundir.py owns the layout (JAX-free) -------------------------
 
 
-def last_logged_step(out: str) -> int:
-    metrics = read_metrics(out)
+def last_logged_step(out: str, since: int = 0) -> int:
+    metrics = read_metrics(out, since)
     return int(metrics[-1]["step"]) if metrics else 0
+
+
+def fault_watch(out: str, fail_at: int, start_step: int | None) -> Callable[[], str | None] | None:
+    """The local backend's fault injection: a check that says why to cancel once this
+    attempt's trainer logs step ``fail_at`` (None when there is nothing to inject: no
+    ``fail_at``, or training resumes at or past it). Only this attempt's lines count: an
+    earlier attempt may have logged past ``fail_at`` before its checkpoint was lost, and would
+    cancel every retry before it made progress."""
+    from trainer.rundir import metrics_size
+
+    if not fail_at or (start_step is not None and start_step >= fail_at):
+        return None
+    since = metrics_size(out)
+
+    def watch() -> str | None:
+        step = last_logged_step(out, since)
+        if step >= fail_at:
+            return f"fault injection: fail_at_step={fail_at} reached (trainer at {step})"
+        return None
+
+    return watch
 
 
 def trainer_config(spec: StepSpec) -> dict[str, Any]:
@@ -533,15 +554,8 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         write_json(join(out, JOBSET_MANIFEST), manifest)
         fail_at = int(spec.unversioned.get("fail_at_step") or 0)
         start = last_checkpoint(out)
-        watch = None
-        if fail_at and (start is None or start[0] < fail_at):
-
-            def watch() -> str | None:
-                step = last_logged_step(out)
-                if step >= fail_at:
-                    return f"fault injection: fail_at_step={fail_at} reached (trainer at {step})"
-                return None
-        elif fail_at:
+        watch = fault_watch(out, fail_at, start[0] if start else None)
+        if fail_at and watch is None:
             self.log.info(
                 "fail_at_step=%d: resuming from step %d, not injecting", fail_at, start[0]
             )

@@ -101,14 +101,28 @@ def read_result(output_dir: str) -> dict[str, Any] | None:
     return read_json(join(output_dir, RESULT))
 
 
-def read_metrics(output_dir: str) -> list[dict[str, Any]]:
+def metrics_size(output_dir: str) -> int:
+    """Bytes of ``metrics.jsonl`` so far (0 before the first line): where the lines a new
+    attempt logs begin, for :func:`read_metrics` ``since``."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(join(output_dir, METRICS))
+    try:
+        return int(fs.size(path))
+    except FileNotFoundError:
+        return 0
+
+
+def read_metrics(output_dir: str, since: int = 0) -> list[dict[str, Any]]:
     """``metrics.jsonl`` by step, the last line per step winning (a resume logs steps again);
-    a line being written is skipped."""
+    a line being written is skipped. ``since``: only the lines from that byte offset
+    (:func:`metrics_size`), those of the attempts after it."""
     import fsspec
 
     try:
-        with fsspec.open(join(output_dir, METRICS), "r") as f:
-            lines = f.read().splitlines()
+        with fsspec.open(join(output_dir, METRICS), "rb") as f:
+            f.seek(since)
+            lines = f.read().decode("utf-8", "replace").splitlines()
     except FileNotFoundError:
         return []
     by_step: dict[int, dict[str, Any]] = {}

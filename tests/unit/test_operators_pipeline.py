@@ -490,3 +490,24 @@ def test_jobset_runner_closes_its_client_when_the_run_ends(script, calls, reason
     assert recorded == calls and runner.hook._conn is None
     runner.cancel()  # a kill after the run: nothing of this runner's is left to cancel
     assert recorded == calls and runner.hook._conn is None
+
+
+def test_fault_injection_counts_only_this_attempts_steps(tmp_path):
+    """An earlier attempt logged past fail_at_step and then lost its checkpoint: the retry
+    starts below it, and must not be cancelled before its own trainer gets there."""
+    from operators.training import fault_watch
+
+    out = tmp_path / "train"
+    out.mkdir()
+    log = out / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 61)))
+    watch = fault_watch(str(out), fail_at=50, start_step=None)
+    assert watch is not None and watch() is None  # steps 1..60 are the earlier attempt's
+    with log.open("a") as f:
+        f.write("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 50)))
+    assert watch() is None
+    with log.open("a") as f:
+        f.write(json.dumps({"step": 50, "loss": 1.0}) + "\n")
+    assert watch() == "fault injection: fail_at_step=50 reached (trainer at 50)"
+    assert fault_watch(str(out), fail_at=50, start_step=50) is None  # resumes past it
+    assert fault_watch(str(out), fail_at=0, start_step=None) is None
