@@ -520,10 +520,25 @@ def stage_argv(options: Mapping[str, Any]) -> list[str]:
 RESOLVED_GRAPH = "graph.json"  # in the run's folder (operators.settings.run_folder)
 
 
+def _file_stamp(path: str) -> list[int] | None:
+    """A local file's [size, mtime_ns]: how a later task of the run sees that it changed since
+    ``fetch`` hashed it (None for an object store, or a file that is not there)."""
+    if _remote(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
 def resolved_record(graph: Graph) -> dict[str, Any]:
-    """What the ``fetch`` task writes: the corpora's content ids and every step's key."""
+    """What the ``fetch`` task writes: the corpora's content ids (with the local files'
+    stamps) and every step's key."""
+    stamps = {p: _file_stamp(p) for p in sorted(graph.content_ids)}
     return {
         "content_ids": dict(sorted(graph.content_ids.items())),
+        "stamps": {p: stamp for p, stamp in stamps.items() if stamp is not None},
         "steps": {step.name: step.key for step in graph.all_steps()},
     }
 
@@ -545,12 +560,20 @@ def read_resolved(run_id: str) -> dict[str, Any] | None:
 
 def graph_for_run(params: Mapping[str, Any], run_id: str | None) -> Graph:
     """The run's graph: built with the content ids its ``fetch`` task resolved (no corpus file
-    is hashed again), checked against the step keys it recorded. Without a resolved graph
-    (a task run on its own, ``fetch`` not run yet) the files are hashed here."""
+    is hashed again, unless a local one changed since: its size or mtime), checked against
+    the step keys it recorded. Without a resolved graph (a task run on its own, ``fetch`` not
+    run yet) the files are hashed here."""
     resolved = read_resolved(run_id) if run_id else None
     if resolved is None:
         return build_graph(params)
-    graph = build_graph(params, content_ids=resolved["content_ids"])
+    ids = dict(resolved["content_ids"])
+    for path, stamp in (resolved.get("stamps") or {}).items():
+        if _file_stamp(path) != stamp:
+            # Replaced since fetch (a repaired raw file, then only the failed tasks cleared):
+            # the bytes this task reads are hashed again, so its version and lineage name them.
+            log.warning("%s changed since the run's fetch: hashed again", path)
+            ids.pop(path, None)
+    graph = build_graph(params, content_ids=ids)
     now = {step.name: step.key for step in graph.all_steps()}
     changed = sorted(n for n, k in now.items() if resolved["steps"].get(n) != k)
     if changed:
