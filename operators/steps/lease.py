@@ -37,6 +37,10 @@ class Status(enum.StrEnum):
     RUNNING = "RUNNING"
 
 
+# How long an unreadable lease file counts as held (its creator writes it within moments).
+UNREADABLE_LEASE_S = 600.0
+
+
 @dataclass(frozen=True)
 class Lease:
     """Generation ``generation`` of a step's lease; the highest existing generation rules."""
@@ -105,8 +109,12 @@ def _read_lease(store: Store, out: str, generation: int) -> Lease | None:
     try:
         return Lease(**json.loads(data))
     except (ValueError, TypeError):
-        # A lease file being created without content (O_EXCL fallback): treat it as held.
-        return Lease(generation, owner="?", expires_at=float("inf"))
+        # A lease file being created without content (the O_EXCL fallback): held while its
+        # creator may still be writing it; one killed in between left it empty for good, so
+        # after UNREADABLE_LEASE_S it is stale and the next generation takes over.
+        modified = store.modified(_lease_path(out, generation))
+        expires = float("inf") if modified is None else modified + UNREADABLE_LEASE_S
+        return Lease(generation, owner="?", expires_at=expires)
 
 
 def current_lease(store: Store, out: str) -> Lease | None:

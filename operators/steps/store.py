@@ -17,6 +17,7 @@ class Store(Protocol):
     def write(self, path: str, data: bytes) -> None: ...
     def create(self, path: str, data: bytes) -> bool: ...
     def makedirs(self, path: str) -> None: ...
+    def modified(self, path: str) -> float | None: ...  # epoch seconds; None if unknown
 
 
 class LocalStore:
@@ -73,6 +74,12 @@ class LocalStore:
     def makedirs(self, path: str) -> None:
         os.makedirs(_local_path(path), exist_ok=True)
 
+    def modified(self, path: str) -> float | None:
+        try:
+            return os.stat(_local_path(path)).st_mtime
+        except OSError:
+            return None
+
 
 class FsspecStore:
     """Object stores through fsspec.
@@ -119,6 +126,12 @@ class FsspecStore:
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
+
+    def modified(self, path: str) -> float | None:
+        try:
+            return float(self.fs.modified(path).timestamp())
+        except (OSError, NotImplementedError, AttributeError, ValueError):
+            return None
 
 
 def store_for(root: str) -> Store:

@@ -273,6 +273,25 @@ def test_a_waiter_runs_a_step_whose_owner_was_killed(tmp_path):
     assert result.status.status is Status.SUCCESS and result.status.owner == "B"
 
 
+def test_an_empty_lease_file_is_held_only_while_its_creator_may_still_write_it(tmp_path):
+    """Without hard links a lease is created empty, then written: a creator killed in between
+    leaves it empty for good. Held for a while, then stale: taken over, never a deadlock."""
+    import os
+
+    step = Step("empty-lease", {})
+    lease_file = tmp_path / step.key / f"{steps.LEASE_PREFIX}{0:06d}"
+    lease_file.parent.mkdir(parents=True)
+    lease_file.write_bytes(b"")
+    [entry] = plan([step], str(tmp_path))
+    assert entry.action is Action.WAIT  # just created: its creator may be writing it
+    old = time.time() - steps.lease.UNREADABLE_LEASE_S - 1
+    os.utime(lease_file, (old, old))
+    [entry] = plan([step], str(tmp_path))
+    assert entry.action is Action.RUN and "stale lease" in entry.reason
+    result = StepRunner(str(tmp_path)).run(step, _counting([]))
+    assert result.outcome is Outcome.TOOK_OVER and result.status.generation == 1
+
+
 def test_stale_lease_is_taken_over(tmp_path):
     step = Step("tokenize", {})
     _write_lease(tmp_path, step, Lease(0, "dead-host:123", time.time() - 5))
