@@ -3,7 +3,10 @@ mounts on the Airflow API server at ``/slipway``, behind Airflow's own authentic
 
 Every route depends on Airflow's ``get_user`` (the UI's session cookie, or a bearer token from
 ``POST /auth/token``): a request without one is refused, 401, and a browser asking for a page
-is sent to Airflow's login page, which brings it back. The pages themselves are
+is sent to Airflow's login page, which brings it back. What a user sees is what Airflow's auth
+manager lets them read (:func:`readable_dags`): the runs list shows the runs of the DAGs they
+may read; a run, its plot and report, a trace (every run it passes through) and the sweep
+pages need read access to their DAGs, else 403. The pages themselves are
 ``operators/reports``' (no Airflow there); this module only wires them to HTTP.
 
     /slipway/                       every run, filterable (?pipeline= &state= &q=)
@@ -22,7 +25,8 @@ import hashlib
 import html
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any
 from urllib.parse import quote
 
 from airflow.api_fastapi.core_api.security import get_user
@@ -57,6 +61,39 @@ def store() -> LineageStore:
         return _store
 
 
+Readable = Callable[[set[str]], set[str]]  # DAG ids -> those the user may read
+
+
+def readable_dags(user: Annotated[Any, Depends(get_user)]) -> Readable:
+    """The DAG ids, of those asked about, whose runs the signed-in user may read (Airflow's
+    auth manager, as its own DAG pages ask it)."""
+
+    def readable(dag_ids: set[str]) -> set[str]:
+        from airflow.api_fastapi.app import get_auth_manager
+
+        return set(
+            get_auth_manager().filter_authorized_dag_ids(dag_ids=dag_ids, user=user, method="GET")
+        )
+
+    return readable
+
+
+Access = Annotated[Readable, Depends(readable_dags)]
+
+
+def _require(readable: Readable, pipelines: Iterable[str | None]) -> None:
+    """403 unless the user may read every one of ``pipelines`` (None: a run recorded without
+    a DAG, e.g. from a shell, which any signed-in user may read)."""
+    wanted = {p for p in pipelines if p}
+    denied = sorted(wanted - readable(wanted)) if wanted else []
+    if denied:
+        raise HTTPException(403, f"not allowed to read the runs of {', '.join(denied)}")
+
+
+def _require_run(readable: Readable, run_id: str) -> None:
+    _require(readable, store().run_owners(run_id))
+
+
 def _base(request: Request) -> str:
     return request.scope.get("root_path", "").rstrip("/") or URL_PREFIX
 
@@ -80,6 +117,7 @@ def _no_lineage(exc: Exception) -> HTMLResponse:
 @app.get("/", response_class=HTMLResponse)
 def runs(
     request: Request,
+    readable: Access,
     pipeline: str = Query("", max_length=250),
     state: str = Query("", max_length=20),
     q: str = Query("", max_length=250),
@@ -88,15 +126,18 @@ def runs(
         all_runs = store().runs()
     except NotFound as exc:
         return _no_lineage(exc)
+    allowed = readable({r.pipeline for r in all_runs if r.pipeline})
+    all_runs = [r for r in all_runs if not r.pipeline or r.pipeline in allowed]
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
     return pages.runs_page(all_runs, _base(request), filters)
 
 
 @app.get("/runs/{run_id}", response_class=HTMLResponse)
-def run(request: Request, run_id: str) -> Any:
+def run(request: Request, run_id: str, readable: Access) -> Any:
     base = _base(request)
     loss_src = f"{base}/runs/{quote(run_id, safe='')}/loss.png"
     try:
+        _require_run(readable, run_id)
         return pages.run_page(store(), run_id, base, loss_src=loss_src)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
@@ -138,10 +179,11 @@ def _cached_loss_png(etag: str, points: list[tuple[int, float]]) -> bytes:
 
 
 @app.get("/runs/{run_id}/loss.png")
-def loss(request: Request, run_id: str) -> Response:
+def loss(request: Request, run_id: str, readable: Access) -> Response:
     """The loss curve, with an ETag of the curve: a browser that has it gets 304, and a curve
     drawn before is served from memory."""
     try:
+        _require_run(readable, run_id)
         view = run_view(store().run_graph(run_id))
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
@@ -154,9 +196,10 @@ def loss(request: Request, run_id: str) -> Response:
 
 
 @app.get("/runs/{run_id}/report.html", response_class=HTMLResponse)
-def static_report(run_id: str) -> Any:
+def static_report(run_id: str, readable: Access) -> Any:
     import fsspec
 
+    _require_run(readable, run_id)
     try:
         with fsspec.open(report_path(run_id), "r") as f:
             return f.read()
@@ -166,16 +209,24 @@ def static_report(run_id: str) -> Any:
 
 @app.get("/trace", response_class=HTMLResponse)
 def trace(
-    request: Request, uri: str = Query(..., max_length=4096), version: str = Query("")
+    request: Request,
+    readable: Access,
+    uri: str = Query(..., max_length=4096),
+    version: str = Query(""),
 ) -> Any:
     try:
-        return pages.trace_page(store(), uri, version or None, _base(request))
+        root = store().trace(uri, version or None)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
+    # a trace passes through other runs (the sweep's cells read the pipeline's steps)
+    run_ids = {n.producer.run_id for n in pages.producers(root) if n.producer and n.producer.run_id}
+    _require(readable, {owner for r in run_ids for owner in store().run_owners(r)})
+    return pages.trace_page(root, _base(request))
 
 
 @app.get("/sweeps", response_class=HTMLResponse)
-def sweeps(request: Request, night: str = Query("", max_length=250)) -> Any:
+def sweeps(request: Request, readable: Access, night: str = Query("", max_length=250)) -> Any:
+    _require(readable, [pages.SWEEP_DAG])
     try:
         all_runs = store().runs()
     except NotFound as exc:
@@ -184,7 +235,8 @@ def sweeps(request: Request, night: str = Query("", max_length=250)) -> Any:
 
 
 @app.get("/sweeps/{run_id}/{plot}.png")
-def sweep_plot(run_id: str, plot: str) -> Response:
+def sweep_plot(run_id: str, plot: str, readable: Access) -> Response:
+    _require(readable, [pages.SWEEP_DAG])
     data = pages.sweep_plot(run_id, plot)
     if data is None:
         raise HTTPException(404, f"no {plot} plot for {run_id!r}")

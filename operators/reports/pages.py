@@ -162,10 +162,10 @@ def checkpoint_raw_inputs(store: LineageStore, view: RunView) -> list[ArtifactRe
 # -- lineage -------------------------------------------------------------------------------------
 
 
-def trace_page(store: LineageStore, uri: str, version: str | None, base: str) -> str:
-    """An artifact traced back to its raw inputs: a graph, the raw inputs with their content
-    hashes, and the producers step by step with code version and container image."""
-    root = store.trace(uri, version or None)
+def trace_page(root: TraceNode, base: str) -> str:
+    """An artifact traced back to its raw inputs (``LineageStore.trace``): a graph, the raw
+    inputs with their content hashes, and the producers step by step with code version and
+    container image."""
     return _render(
         "trace.html",
         base,

@@ -128,7 +128,8 @@ def test_the_runs_list_filters(store):
 
 def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
     view = run_view(store.run_graph("good"))
-    body = pages.trace_page(store, view.training.checkpoint, view.training.checkpoint_version, "/s")
+    root = store.trace(view.training.checkpoint, view.training.checkpoint_version)
+    body = pages.trace_page(root, "/s")
     html = parse(body)
     raw = [c for _, c in html.rows if c and c[0] == "dataset"]
     assert raw == [["dataset", "file:///data/brown/brown.tar.gz", "sha256:" + "ab" * 32, "ab" * 32]]
@@ -136,7 +137,7 @@ def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
     producers = [c for _, c in html.rows if len(c) == 7][1:]  # each execution once, in order
     assert [r[0] for r in producers] == ["ingest", "quality", "tokenize", "train"]
     with pytest.raises(NotFound):
-        pages.trace_page(store, "file:///nothing", None, "/s")
+        store.trace("file:///nothing", None)
 
 
 def test_the_static_report_is_self_contained(store, tmp_path):
@@ -170,6 +171,8 @@ def client(store, monkeypatch):
 
     monkeypatch.setattr(ui, "_store", store)
     ui.app.dependency_overrides[get_user] = lambda: object()
+    # a user who may read every DAG (the auth manager's answer is the test's to give below)
+    ui.app.dependency_overrides[ui.readable_dags] = lambda: set
     try:
         yield TestClient(ui.app, root_path="/slipway")
     finally:
@@ -195,6 +198,32 @@ def test_the_app_serves_pages_plots_and_reports(client, store):
     assert "No <span" in client.get("/sweeps").text
     assert client.get("/sweeps/..%2F..%2Fetc/isoflop.png").status_code == 404
     assert client.get("/sweeps/good/passwd.png").status_code == 404
+
+
+def test_a_user_sees_only_the_runs_of_the_dags_the_auth_manager_lets_them_read(client, store):
+    """Signed in is not enough: a user who may read slipway_pipeline but not the sweep sees
+    the pipeline's runs and no sweep; one who may read neither sees no run at all."""
+    from operators import ui
+
+    store.start_execution("check", run_id="night-1", pipeline=pages.SWEEP_DAG)
+    ui.app.dependency_overrides[ui.readable_dags] = lambda: lambda ids: ids & {"slipway_pipeline"}
+    listed = client.get("/").text
+    assert ">good<" in listed and "night-1" not in listed
+    assert client.get("/runs/good").status_code == 200
+    assert client.get("/runs/good/loss.png").status_code == 200
+    refused = client.get("/runs/night-1")
+    assert refused.status_code == 403 and pages.SWEEP_DAG in refused.text
+    assert client.get("/runs/night-1/report.html").status_code == 403
+    assert client.get("/sweeps").status_code == 403
+    assert client.get("/sweeps/night-1/isoflop.png").status_code == 403
+    ui.app.dependency_overrides[ui.readable_dags] = lambda: lambda ids: set()
+    listed = client.get("/").text
+    assert ">good<" not in listed and "night-1" not in listed
+    for path in ("/runs/good", "/runs/good/loss.png", "/runs/good/report.html"):
+        assert client.get(path).status_code == 403, path
+    graph = store.run_graph("good")
+    uri = next(o.artifact.uri for n in graph.steps for o in n.outputs)
+    assert client.get("/trace", params={"uri": uri}).status_code == 403
 
 
 def test_the_loss_plot_is_drawn_once_per_curve_and_revalidated_by_etag(client, store, monkeypatch):
