@@ -395,18 +395,23 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                     execution, "FAILED", error=exc, properties={"checks": checks}
                 )
                 raise
-            summary = self._write_summary(
-                context, store, execution, record, task_states, closed, incomplete
-            )
+            try:
+                state = self._write_summary(
+                    context, store, execution, record, task_states, closed, incomplete
+                )["state"]
+            except Exception as exc:  # the night's outcome below still stands
+                self.log.exception("the night summary was not written")
+                if not incomplete:
+                    store.finish_execution(execution, "FAILED", error=exc)
+                    raise
+                state = "FAILED"
             if incomplete:
                 failure = AirflowFailException(incomplete)
                 store.finish_execution(
                     execution, "FAILED", error=failure, properties={"checks": checks}
                 )
                 raise failure
-            store.finish_execution(
-                execution, properties={"checks": checks, "state": summary["state"]}
-            )
+            store.finish_execution(execution, properties={"checks": checks, "state": state})
         finally:
             store.close()
         return checks

@@ -65,15 +65,27 @@ Readable = Callable[[set[str]], set[str]]  # DAG ids -> those the user may read
 
 
 def readable_dags(user: Annotated[Any, Depends(get_user)]) -> Readable:
-    """The DAG ids, of those asked about, whose runs the signed-in user may read (Airflow's
-    auth manager, as its own DAG pages ask it)."""
+    """The DAG ids, of those asked about, whose runs the signed-in user may read: Airflow's
+    auth manager asked as its own DAG-run endpoints ask it (GET on the DAG's runs)."""
 
     def readable(dag_ids: set[str]) -> set[str]:
         from airflow.api_fastapi.app import get_auth_manager
-
-        return set(
-            get_auth_manager().filter_authorized_dag_ids(dag_ids=dag_ids, user=user, method="GET")
+        from airflow.api_fastapi.auth.managers.models.resource_details import (
+            DagAccessEntity,
+            DagDetails,
         )
+
+        manager = get_auth_manager()
+        return {
+            dag_id
+            for dag_id in dag_ids
+            if manager.is_authorized_dag(
+                method="GET",
+                access_entity=DagAccessEntity.RUN,
+                details=DagDetails(id=dag_id),
+                user=user,
+            )
+        }
 
     return readable
 
@@ -91,7 +103,15 @@ def _require(readable: Readable, pipelines: Iterable[str | None]) -> None:
 
 
 def _require_run(readable: Readable, run_id: str) -> None:
-    _require(readable, store().run_owners(run_id))
+    """403 unless the user may read the run's DAG, and the DAG of every recorded run whose
+    run folder ``run_id`` names: folder names are not one-to-one (``a:b`` and ``a_b``), so an
+    unrecorded id could otherwise read a recorded run's ``report.html``."""
+    from operators.settings import run_folder_name
+
+    lineage = store()
+    name = run_folder_name(run_id)
+    runs = {run_id} | {r for r in lineage.run_ids() if run_folder_name(r) == name}
+    _require(readable, {owner for r in runs for owner in lineage.run_owners(r)})
 
 
 def _base(request: Request) -> str:

@@ -520,6 +520,10 @@ def stage_argv(options: Mapping[str, Any]) -> list[str]:
 RESOLVED_GRAPH = "graph.json"  # in the run's folder (operators.settings.run_folder)
 
 
+class CorpusChanged(RuntimeError):
+    """A corpus file changed after the run's ``fetch`` resolved its content id."""
+
+
 def _file_stamp(path: str) -> list[int] | None:
     """A local file's [size, mtime_ns]: how a later task of the run sees that it changed since
     ``fetch`` hashed it (None for an object store, or a file that is not there)."""
@@ -560,20 +564,24 @@ def read_resolved(run_id: str) -> dict[str, Any] | None:
 
 def graph_for_run(params: Mapping[str, Any], run_id: str | None) -> Graph:
     """The run's graph: built with the content ids its ``fetch`` task resolved (no corpus file
-    is hashed again, unless a local one changed since: its size or mtime), checked against
-    the step keys it recorded. Without a resolved graph (a task run on its own, ``fetch`` not
-    run yet) the files are hashed here."""
+    is hashed again), checked against the step keys it recorded; :class:`CorpusChanged` when a
+    local corpus file changed since (its size or mtime). Without a resolved graph (a task run
+    on its own, ``fetch`` not run yet) the files are hashed here."""
     resolved = read_resolved(run_id) if run_id else None
     if resolved is None:
         return build_graph(params)
-    ids = dict(resolved["content_ids"])
-    for path, stamp in (resolved.get("stamps") or {}).items():
-        if _file_stamp(path) != stamp:
-            # Replaced since fetch (a repaired raw file, then only the failed tasks cleared):
-            # the bytes this task reads are hashed again, so its version and lineage name them.
-            log.warning("%s changed since the run's fetch: hashed again", path)
-            ids.pop(path, None)
-    graph = build_graph(params, content_ids=ids)
+    changed_files = sorted(
+        path for path, stamp in (resolved.get("stamps") or {}).items() if _file_stamp(path) != stamp
+    )
+    if changed_files:
+        # Replaced since fetch (a repaired raw file, then only the failed tasks cleared): the
+        # run's ids no longer name the bytes, and new ones would move every step downstream.
+        raise CorpusChanged(
+            f"{', '.join(changed_files)} changed since this run's fetch resolved the corpora "
+            "(size or modification time): clear fetch with its downstream tasks to run on the "
+            "new bytes (steps whose inputs did not change stay cache hits)"
+        )
+    graph = build_graph(params, content_ids=resolved["content_ids"])
     now = {step.name: step.key for step in graph.all_steps()}
     changed = sorted(n for n, k in now.items() if resolved["steps"].get(n) != k)
     if changed:

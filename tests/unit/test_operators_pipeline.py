@@ -513,12 +513,19 @@ def test_fault_injection_counts_only_this_attempts_steps(tmp_path):
     assert fault_watch(str(out), fail_at=0, start_step=None) is None
 
 
-def test_a_raw_file_replaced_after_fetch_is_hashed_again(home, params, tmp_path):
+def test_a_raw_file_replaced_after_fetch_stops_the_run_with_what_to_clear(home, params):
     """fetch resolved the corpora's content ids; a raw file repaired afterwards (and only the
-    failed tasks cleared) must not run under the old bytes' id: its version names the new."""
+    failed tasks cleared) would run under the old bytes' id, and new ids would move every
+    step downstream: the run's tasks refuse, naming the file and what to clear."""
     import os
 
-    from operators.pipeline.graph import build_graph, graph_for_run, raw_path, write_resolved
+    from operators.pipeline.graph import (
+        CorpusChanged,
+        build_graph,
+        graph_for_run,
+        raw_path,
+        write_resolved,
+    )
 
     first = build_graph(params)
     write_resolved(first, "manual__1")
@@ -528,7 +535,7 @@ def test_a_raw_file_replaced_after_fetch_is_hashed_again(home, params, tmp_path)
     raw = raw_path(params["data_dir"], params["sources"][0]["name"])
     body = gzip.decompress(Path(raw).read_bytes()) + b'{"id": "new", "text": "repaired"}\n'
     Path(raw).write_bytes(gzip.compress(body, mtime=0))
-    os.utime(raw, ns=(1, 1))  # even with a stamp of its own choosing
-    again = graph_for_run(params, "manual__1")
-    assert again.stages["ingest"][0].step.key != first.stages["ingest"][0].step.key
-    assert again.stages["ingest"][0].step.key == build_graph(params).stages["ingest"][0].step.key
+    os.utime(raw, ns=(1, 1))  # whatever its modification time
+    with pytest.raises(CorpusChanged, match="clear fetch with its downstream") as err:
+        graph_for_run(params, "manual__1")
+    assert raw in str(err.value)

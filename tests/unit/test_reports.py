@@ -214,6 +214,9 @@ def test_a_user_sees_only_the_runs_of_the_dags_the_auth_manager_lets_them_read(c
     refused = client.get("/runs/night-1")
     assert refused.status_code == 403 and pages.SWEEP_DAG in refused.text
     assert client.get("/runs/night-1/report.html").status_code == 403
+    # nor through an unrecorded id that names the same run folder
+    store.start_execution("check", run_id="night:2", pipeline=pages.SWEEP_DAG)
+    assert client.get("/runs/night_2/report.html").status_code == 403
     assert client.get("/sweeps").status_code == 403
     assert client.get("/sweeps/night-1/isoflop.png").status_code == 403
     ui.app.dependency_overrides[ui.readable_dags] = lambda: lambda ids: set()
