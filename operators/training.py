@@ -473,10 +473,12 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
 
         state = probe(self.steps_root(), step)
         marker = state.status.status if state.status is not None else None
+        by_owner = marker is Status.FAILED and state.status.owner == owner
+        killed = by_owner and bool(state.status.terminated)
         exc: BaseException | None = None
-        if marker is Status.FAILED and state.status.owner == owner:
+        if by_owner and not killed:
             exc = StepFailedElsewhere(f"{step.key}: run by {owner} failed: {state.status.error}")
-        elif marker is not Status.SUCCESS and event.get("event") != TERMINAL:
+        elif not killed and marker is not Status.SUCCESS and event.get("event") != TERMINAL:
             # Lost sight of it (403, deleted from outside): do not wait on a worker.
             exc = TrainingFailed(
                 f"following {owner}'s JobSet {event['handle']['name']}: {event.get('event')} "
@@ -487,7 +489,8 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             raise exc
         # SUCCESS (a cache hit), or the owner is about to record it (its lease is still live:
         # the step runner waits for it), or it died (stale lease: taken over and resubmitted,
-        # which adopts the JobSet if it is still ours to follow).
+        # which adopts the JobSet if it is still ours to follow), or its task was killed (a
+        # FAILED marker that says so: submitted here, resuming from its last checkpoint).
         return self._execute_gke(context, params, step, execution, allow_follow=False)
 
     def resume_execution(

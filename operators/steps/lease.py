@@ -239,18 +239,20 @@ class HeldLease:
         self._release(store)
         return final
 
-    def fail(self, error: BaseException | str) -> bool:
-        """FAILED marker (error, traceback tail), lease released; False if no longer ours."""
+    def fail(self, error: BaseException | str, *, terminated: bool | None = None) -> bool:
+        """FAILED marker (error, traceback tail), lease released; False if no longer ours.
+        ``terminated``: the task was killed (see :attr:`StatusRecord.terminated`); by default,
+        when ``error`` is a BaseException that is no Exception."""
         store = self._store
         if not _owns(store, self.output, self.generation, self.owner):
             return False
-        terminated = None
         if isinstance(error, BaseException):
             message = f"{type(error).__name__}: {error}"
             trace = "".join(tb.format_exception(error))[-TRACEBACK_TAIL_CHARS:]
             # Airflow's AirflowTaskTerminated, KeyboardInterrupt, SystemExit: BaseExceptions
             # that end a process, never raised by the step's own work.
-            terminated = True if not isinstance(error, Exception) else None
+            if terminated is None and not isinstance(error, Exception):
+                terminated = True
         else:
             message, trace = error, None
         record = self.record(Status.FAILED, error=message, traceback=trace, terminated=terminated)

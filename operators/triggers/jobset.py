@@ -29,6 +29,7 @@ triggerer restarts included, and must not stop training.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -117,6 +118,10 @@ class JobSetTrigger(BaseTrigger):
         self.log_lines = int(log_lines)
         self.error_backoff = float(error_backoff)
         self._hook_obj: JobSetAsyncHook | None = None
+        # Renewals and on_kill's fail run in threads that cancelling a coroutine does not stop:
+        # one at a time, so a renewal in flight cannot land after the kill and bring the step
+        # back to RUNNING.
+        self._lease_lock = threading.Lock()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -154,6 +159,10 @@ class JobSetTrigger(BaseTrigger):
             )
         return self._hook_obj
 
+    def _with_lease_lock(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lease_lock:
+            return call(*args, **kwargs)
+
     def _lease_obj(self) -> Any:
         from operators.triggers.lease import DeferredLease
 
@@ -188,7 +197,7 @@ class JobSetTrigger(BaseTrigger):
         while True:
             if lease is not None and time.monotonic() >= next_renew:
                 try:
-                    owned = await asyncio.to_thread(lease.renew)
+                    owned = await asyncio.to_thread(self._with_lease_lock, lease.renew)
                 except Exception as exc:  # storage blip: the lease has two more renewals
                     self._say(f"could not renew the step lease ({exc}); retrying")
                     next_renew = time.monotonic() + min(lease.renew_every, self.error_backoff)
@@ -274,9 +283,11 @@ class JobSetTrigger(BaseTrigger):
         lease = self._lease_obj()
         if lease is not None:
             await asyncio.to_thread(
+                self._with_lease_lock,
                 lease.fail,
                 f"task killed while deferred: JobSet {self.handle['name']} deleted "
                 f"({status.message})",
+                terminated=True,  # killed, not failed: a run following it runs the step
             )
 
     async def cleanup(self) -> None:

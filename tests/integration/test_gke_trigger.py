@@ -483,6 +483,26 @@ def test_lease_taken_over_ends_the_trigger_without_deleting(fake, kubeconfig, ho
     assert (NS, name) in fake.jobsets  # the new owner adopts it
 
 
+def test_a_follower_runs_the_step_when_the_owners_task_was_killed(fake, kubeconfig, home, params):
+    """Killing the owner's task (mark failed from the UI) is no failure of the step: the run
+    following it submits the step's JobSet itself instead of failing with it."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    owner, second = _operator(), _operator()
+    first = _defer(owner, params)
+    follower = _defer(second, params, run_id="manual__second")
+    asyncio.run(first.trigger.on_kill())  # the owner's task is killed: JobSet deleted
+    _, spec = _train_spec(params)
+    marker, _ = _status(spec)
+    assert marker["status"] == "FAILED" and marker["terminated"] is True
+    seen = _run_trigger(follower.trigger)
+    assert seen.payload["event"] == "vanished"
+    with pytest.raises(TaskDeferred) as again:
+        second.execute_complete(_context(params, "manual__second"), seen.payload, **follower.kwargs)
+    assert len(fake.created) == 2 and (NS, fake.created[-1]["metadata"]["name"]) in fake.jobsets
+    assert again.value.kwargs["lease"]["owner"] != first.kwargs["lease"]["owner"]  # its own
+
+
 def test_second_run_follows_the_owner_instead_of_waiting(fake, kubeconfig, home, params):
     owner, second = _operator(), _operator()
     first = _defer(owner, params)
@@ -505,15 +525,18 @@ def test_second_run_follows_the_owner_instead_of_waiting(fake, kubeconfig, home,
 
 
 def test_a_follower_does_not_rerun_the_owners_failure(fake, kubeconfig, home, params):
+    from operators.launching import TrainingFailed
     from operators.steps import StepFailedElsewhere
 
     owner, second = _operator(), _operator()
     first = _defer(owner, params)
     follower = _defer(second, params, run_id="manual__second")
-    asyncio.run(first.trigger.on_kill())  # the owner's task is killed: JobSet deleted
+    fake.fail(NS, fake.created[-1]["metadata"]["name"], "OOMKilled")  # the step's own failure
+    event = _run_trigger(first.trigger)
+    with pytest.raises(TrainingFailed):
+        owner.execute_complete(_context(params), event.payload, **first.kwargs)
     seen = _run_trigger(follower.trigger)
-    assert seen.payload["event"] == "vanished"
-    with pytest.raises(StepFailedElsewhere, match="killed while deferred"):
+    with pytest.raises(StepFailedElsewhere, match="OOMKilled"):
         second.execute_complete(_context(params, "manual__second"), seen.payload, **follower.kwargs)
     # ...and its timeout deletes nothing: the JobSet it followed was not its own.
     _defer(_operator(), params, run_id="manual__third")  # the owner's failure reruns here
