@@ -24,6 +24,11 @@ variable                                   what it adds to the platform's own va
                                            ending in ``/``; the repositories of
                                            ``$SLIPWAY_TRAINER_IMAGE`` and
                                            ``$SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE`` always
+``SLIPWAY_ALLOWED_GKE_CLUSTERS``           ``gke.cluster_name``, as ``<location>/<name>`` (a run
+                                           naming no ``gke.project_id``: the connection's
+                                           project) or ``<project>/<location>/<name>`` (none by
+                                           default: the platform's GCP identity reaches the
+                                           clusters its IAM grants, not only its own)
 ``SLIPWAY_ALLOWED_DATAFLOW_PROJECTS``      ``dataflow.project_id``
                                            (``$SLIPWAY_DATAFLOW_PROJECT_ID``)
 ``SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS``     ``dataflow.temp_location`` and ``staging_location``:
@@ -60,6 +65,7 @@ ALLOW_ENV = {
     "service_accounts": "SLIPWAY_ALLOWED_SERVICE_ACCOUNTS",
     "dataflow_service_accounts": "SLIPWAY_ALLOWED_DATAFLOW_SERVICE_ACCOUNTS",
     "images": "SLIPWAY_ALLOWED_IMAGES",
+    "gke_clusters": "SLIPWAY_ALLOWED_GKE_CLUSTERS",
     "dataflow_projects": "SLIPWAY_ALLOWED_DATAFLOW_PROJECTS",
     "dataflow_locations": "SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS",
 }
@@ -97,6 +103,7 @@ class RunPolicy:
     service_accounts: tuple[str, ...] = ()
     dataflow_service_accounts: tuple[str, ...] = ()
     images: tuple[str, ...] = ()  # repositories, or prefixes ending in "/"
+    gke_clusters: tuple[str, ...] = ()  # "<location>/<name>" or "<project>/<location>/<name>"
     dataflow_projects: tuple[str, ...] = ()
     dataflow_locations: tuple[str, ...] = ()  # gs:// prefixes
 
@@ -164,6 +171,12 @@ class RunPolicy:
                 allowed = getattr(self, field)
                 if value not in (None, "") and value not in allowed:
                     refuse(f"gke.{key}", value, allowed, ALLOW_ENV[field])
+            if gke.get("cluster_name") not in (None, ""):
+                where = f"{gke.get('location') or ''}/{gke['cluster_name']}"
+                if gke.get("project_id"):
+                    where = f"{gke['project_id']}/{where}"
+                if where not in self.gke_clusters:
+                    refuse("gke cluster", where, self.gke_clusters, ALLOW_ENV["gke_clusters"])
             if gke.get("context") not in (None, "") and gke.get("kubeconfig") in (None, ""):
                 out.append(
                     f"gke.context {gke['context']!r}: names a context of gke.kubeconfig, and "

@@ -578,6 +578,7 @@ def tpu_params(tmp_path, kubeconfig, monkeypatch, gke_platform):
 
     fake_cluster = ClusterSettings(namespace=NS, kubeconfig=str(kubeconfig))
     monkeypatch.setattr(hook_module, "gke_api_client", lambda _: kubeconfig_client(fake_cluster))
+    monkeypatch.setenv("SLIPWAY_ALLOWED_GKE_CLUSTERS", f"{PROJECT}/{ZONE}/tpu-cluster")
     p = ParamsDict()
     p.update(pipeline_params())
     conf = tiny_conf(make_corpora(tmp_path / "data"))

@@ -233,6 +233,7 @@ def test_gke_run_form_is_accepted(dag, monkeypatch):
     # The platform allows this namespace and the images of this repository path.
     monkeypatch.setenv("SLIPWAY_ALLOWED_NAMESPACES", "train")
     monkeypatch.setenv("SLIPWAY_ALLOWED_IMAGES", "us-docker.pkg.dev/proj/slipway/")
+    monkeypatch.setenv("SLIPWAY_ALLOWED_GKE_CLUSTERS", "us-east5/tpu-cluster")
     values = _validate(
         dag,
         backend="gke",
@@ -283,7 +284,8 @@ def test_dataflow_project_falls_back_to_the_connection(dag, dataflow_platform):
     with pytest.raises(RunConfigError, match=re.escape("dataflow.project_id is not set")):
         check_run_config(values, connection_project=lambda: None)
     asked: list[bool] = []
-    check_run_config(  # the run names one: the connection is not asked
+    dataflow_platform.setenv("SLIPWAY_ALLOWED_DATAFLOW_PROJECTS", "slipway-run")
+    check_run_config(  # the run names one (one the platform allows): the connection is not asked
         _dataflow_run(dag, dataflow={"project_id": "slipway-run"}),
         connection_project=lambda: asked.append(True),
     )

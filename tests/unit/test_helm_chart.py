@@ -92,6 +92,7 @@ READ_BY_OPERATORS = frozenset(
                 "DATAFLOW_SERVICE_ACCOUNTS",
                 "GCP_CONN_IDS",
                 "KUBECONFIGS",
+                "GKE_CLUSTERS",
                 "DATAFLOW_PROJECTS",
                 "DATAFLOW_LOCATIONS",
             )
@@ -961,11 +962,13 @@ def test_run_policy_values_become_the_allow_lists(monkeypatch: pytest.MonkeyPatc
             runPolicy={
                 "namespaces": ["research-a", "research-b"],
                 "dataRoots": ["gs://example-project-slipway/shared-corpora"],
+                "gkeClusters": ["research-proj/us-east5/tpu-v5e"],
                 "dataflowProjects": ["research-proj"],
                 "dataflowLocations": ["gs://research-scratch/dataflow"],
             }
         )
     )
+    assert data["SLIPWAY_ALLOWED_GKE_CLUSTERS"] == "research-proj/us-east5/tpu-v5e"
     assert data["SLIPWAY_ALLOWED_DATAFLOW_PROJECTS"] == "research-proj"
     assert data["SLIPWAY_ALLOWED_DATAFLOW_LOCATIONS"] == "gs://research-scratch/dataflow"
     assert data["SLIPWAY_ALLOWED_NAMESPACES"] == "research-a,research-b"

@@ -240,6 +240,7 @@ def gke_platform(monkeypatch):
     monkeypatch.setenv("SLIPWAY_TRAINING_NAMESPACE", "slipway-training")
     monkeypatch.setenv("SLIPWAY_TRAINER_SERVICE_ACCOUNT", "slipway-trainer")
     monkeypatch.setenv("SLIPWAY_TRAINER_IMAGE", IMAGE)
+    monkeypatch.setenv("SLIPWAY_ALLOWED_GKE_CLUSTERS", "us-east5/tpu")
     for name in ("SLIPWAY_ALLOWED_KUBECONFIGS", "SLIPWAY_ALLOWED_GCP_CONN_IDS"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
@@ -273,6 +274,26 @@ def test_credentials_identities_and_images_come_from_the_platform(
     message = _refused(_gke(dag, image=image, **change))
     assert f"{named} " in message and "is not allowed by the platform" in message
     assert variable in message
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"cluster_name": "prod"}, "'us-east5/prod'"),
+        ({"location": "europe-west4"}, "'europe-west4/tpu'"),
+        ({"project_id": "someone-elses"}, "'someone-elses/us-east5/tpu'"),
+    ],
+)
+def test_a_gke_cluster_must_be_one_the_platform_lists(dag, gke_platform, change, named):
+    """The platform's GCP identity reaches every cluster its IAM grants: a run names one of
+    the platform's (a project given must be listed with it)."""
+    from operators.pipeline.form import check_run_config
+
+    message = _refused(_gke(dag, **change))
+    assert f"gke cluster {named} is not allowed by the platform" in message
+    assert "SLIPWAY_ALLOWED_GKE_CLUSTERS" in message
+    gke_platform.setenv("SLIPWAY_ALLOWED_GKE_CLUSTERS", f"us-east5/tpu,{named.strip(chr(39))}")
+    check_run_config(_gke(dag, **change))
 
 
 def test_a_kubeconfig_must_be_one_the_platform_lists(dag, gke_platform, tmp_path):
