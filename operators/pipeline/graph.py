@@ -524,11 +524,25 @@ class CorpusChanged(RuntimeError):
     """A corpus file changed after the run's ``fetch`` resolved its content id."""
 
 
-def _file_stamp(path: str) -> list[int] | None:
-    """A local file's [size, mtime_ns]: how a later task of the run sees that it changed since
-    ``fetch`` hashed it (None for an object store, or a file that is not there)."""
+# What names one write of an object, most specific first (GCS, GCS/S3 etags, timestamps).
+_OBJECT_STAMP_KEYS = ("generation", "md5Hash", "etag", "ETag", "updated", "LastModified", "mtime")
+
+
+def _file_stamp(path: str) -> list[Any] | None:
+    """How a later task of the run sees that a corpus file changed since ``fetch`` hashed it:
+    a local file's [size, mtime_ns]; an object's [size, its generation or etag or update
+    time] (one metadata request). None for a file that is not there, or an object store that
+    names no write."""
     if _remote(path):
-        return None
+        import fsspec
+
+        try:
+            fs, p = fsspec.core.url_to_fs(path)
+            info = fs.info(p)
+        except (OSError, ValueError):
+            return None
+        mark = next((info[k] for k in _OBJECT_STAMP_KEYS if info.get(k) is not None), None)
+        return None if mark is None else [int(info.get("size") or 0), str(mark)]
     try:
         st = os.stat(path)
     except OSError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -539,3 +540,23 @@ def test_a_raw_file_replaced_after_fetch_stops_the_run_with_what_to_clear(home, 
     with pytest.raises(CorpusChanged, match="clear fetch with its downstream") as err:
         graph_for_run(params, "manual__1")
     assert raw in str(err.value)
+
+
+def test_an_object_rewritten_after_fetch_has_a_new_stamp(monkeypatch):
+    """On an object store the stamp is the object's write (GCS generation, etag, update time):
+    a rewrite with the same size is seen."""
+    import fsspec
+
+    from operators.pipeline import graph
+
+    monkeypatch.setattr(graph, "_OBJECT_STAMP_KEYS", ("generation", "created"))  # memory://
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/corpora/raw/brown.jsonl.gz", b"abc")
+    before = graph._file_stamp("memory://corpora/raw/brown.jsonl.gz")
+    assert before is not None and before[0] == 3
+    time.sleep(0.01)
+    fs.pipe("/corpora/raw/brown.jsonl.gz", b"abd")
+    after = graph._file_stamp("memory://corpora/raw/brown.jsonl.gz")
+    assert after is not None and after != before
+    assert json.loads(json.dumps(after)) == after  # as graph.json keeps it
+    assert graph._file_stamp("memory://corpora/raw/missing.jsonl.gz") is None
