@@ -888,6 +888,38 @@ def test_airflow_values_use_our_objects(which: str) -> None:
         assert af["config"]["logging"]["remote_base_log_folder"].startswith("gs://")
 
 
+@pytest.mark.parametrize("which", sorted(VALUES_FILES))
+def test_user_run_ids_cannot_pass_for_the_schedulers(
+    which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart's allowed_run_id_pattern, through Airflow's own run-id validator: the
+    scheduler's, backfills' and ordinary ids pass; an id that names a scheduled night's run
+    folder (':' spelled '_' or '~'), or ends in a newline, is refused."""
+    from airflow.models.dagrun import DagRun
+
+    pattern = merged_values(which)["airflow"]["config"]["scheduler"]["allowed_run_id_pattern"]
+    monkeypatch.setenv("AIRFLOW__SCHEDULER__ALLOWED_RUN_ID_PATTERN", pattern)
+    check = DagRun().validate_run_id
+    for ok in (
+        "scheduled__2026-01-09T02:00:00+00:00",
+        "manual__2026-01-09T10:11:12+00:00",
+        "backfill__2026-01-09T02:00:00+00:00",
+        "manual__2026-01-09T10:11:12.123456+00:00",
+        "nightly-rerun_2",
+        "my_experiment:v2",
+    ):
+        assert check("run_id", ok) == ok
+    for bad in (
+        "scheduled__2026-01-09T02_00_00+00_00",
+        "scheduled__2026-01-09T02~00~00+00~00",
+        "scheduled:_2026-01-09T02:00:00+00:00",
+        "manual__2026-01-09T10_11_12+00_00",
+        "nightly\n",
+    ):
+        with pytest.raises(ValueError, match="does not match"):
+            check("run_id", bad)
+
+
 def test_corpora_live_in_the_bucket(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     """KubernetesExecutor runs each task in its own pod: the corpora the fetch task gets must
     be where every later task (and Dataflow's workers) can read them, on gs://, with no
