@@ -158,6 +158,12 @@ class RunPolicy:
                 f"operator adds more in {env})"
             )
 
+        def listed(where: str, values: Mapping[str, Any], key: str, field: str) -> None:
+            """Refuse ``values[key]``, when set, unless the ``field`` allow-list has it."""
+            value, allowed = values.get(key), getattr(self, field)
+            if value not in (None, "") and value not in allowed:
+                refuse(f"{where}.{key}", value, allowed, ALLOW_ENV[field])
+
         gke = params.get("gke") or {}
         if params.get("backend") == "gke":
             checks = (
@@ -167,10 +173,7 @@ class RunPolicy:
                 ("service_account", "service_accounts"),
             )
             for key, field in checks:
-                value = gke.get(key)
-                allowed = getattr(self, field)
-                if value not in (None, "") and value not in allowed:
-                    refuse(f"gke.{key}", value, allowed, ALLOW_ENV[field])
+                listed("gke", gke, key, field)
             if gke.get("cluster_name") not in (None, ""):
                 where = f"{gke.get('location') or ''}/{gke['cluster_name']}"
                 if gke.get("project_id"):
@@ -192,25 +195,11 @@ class RunPolicy:
                     out.append(f"gke.{key}: only a backend=gke run names cluster credentials")
         if params.get("runner") == "DataflowRunner":
             dataflow = params.get("dataflow") or {}
-            account = dataflow.get("service_account")
-            if account not in (None, "") and account not in self.dataflow_service_accounts:
-                refuse(
-                    "dataflow.service_account",
-                    account,
-                    self.dataflow_service_accounts,
-                    ALLOW_ENV["dataflow_service_accounts"],
-                )
+            listed("dataflow", dataflow, "service_account", "dataflow_service_accounts")
             image = dataflow.get("sdk_container_image")
             if isinstance(image, str) and image_repository(image) and not self.image_allowed(image):
                 refuse("dataflow.sdk_container_image", image, self.images, ALLOW_ENV["images"])
-            project = dataflow.get("project_id")
-            if project not in (None, "") and project not in self.dataflow_projects:
-                refuse(
-                    "dataflow.project_id",
-                    project,
-                    self.dataflow_projects,
-                    ALLOW_ENV["dataflow_projects"],
-                )
+            listed("dataflow", dataflow, "project_id", "dataflow_projects")
             for key in ("temp_location", "staging_location"):
                 value = dataflow.get(key)
                 if value not in (None, "") and not (

@@ -29,7 +29,12 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.run_steps import latest_attempts, step_states, stepless_failures
+from operators.run_steps import (
+    latest_attempts,
+    settle_failures,
+    step_states,
+    stepless_failures,
+)
 from operators.step_lineage import StepLineageMixin, require_own_run
 
 # A training task killed from the UI is closed by the listener at once, but its trainer is
@@ -203,15 +208,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             gate = self._gate(executions, task_states)
             if gate["state"] in ("FAILED", "CANCELED"):
                 failed.append({"step": "gate", "error": gate["error"]})
-            failed_tasks = sorted(
-                t for t, s in task_states.items() if s in ("failed", "upstream_failed")
-            )
-            if not failed and failed_tasks:
-                failed.append(
-                    {"step": failed_tasks[0], "error": f"task {task_states[failed_tasks[0]]}"}
-                )
-            if graph_error and not failed:
-                failed.append({"step": "fetch", "error": graph_error})
+            failed = settle_failures(failed, task_states, graph_error)
             train = next((s for s in steps if s.name == "train"), None)
             resume = None
             if train is not None and "train" not in [s.split("-")[0] for s in skip]:

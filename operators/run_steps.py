@@ -55,3 +55,20 @@ def step_states(
             failed.append({"step": step.name, "error": ex.error})
         (skip if marker_status == "SUCCESS" else rerun).append(step.key)
     return rows, failed, skip, rerun
+
+
+def settle_failures(
+    failed: list[dict[str, Any]], task_states: dict[str, str], graph_error: str | None
+) -> list[dict[str, Any]]:
+    """``failed`` as the summary states it: when no execution said what failed, the first
+    task Airflow has failed (or upstream_failed), else why the step graph could not be built
+    (the corpora are missing: ``fetch`` failed)."""
+    if not failed:
+        failed_tasks = sorted(
+            t for t, s in task_states.items() if s in ("failed", "upstream_failed")
+        )
+        if failed_tasks:
+            return [{"step": failed_tasks[0], "error": f"task {task_states[failed_tasks[0]]}"}]
+        if graph_error:
+            return [{"step": "fetch", "error": graph_error}]
+    return failed

@@ -115,10 +115,15 @@ class RunFolderTaken(ValueError):
     """Another recorded run's id names the same run folder as this run's."""
 
 
+def runs_sharing_folder(run_id: str, recorded: Iterable[str]) -> list[str]:
+    """The recorded run ids, other than ``run_id``, whose run folder is ``run_id``'s, sorted."""
+    name = run_folder_name(run_id)
+    return sorted(r for r in recorded if r != run_id and run_folder_name(r) == name)
+
+
 def run_folder_twin(run_id: str, recorded: Iterable[str]) -> str | None:
     """A recorded run id, other than ``run_id``, whose run folder is ``run_id``'s, or None."""
-    name = run_folder_name(run_id)
-    return min((r for r in recorded if r != run_id and run_folder_name(r) == name), default=None)
+    return next(iter(runs_sharing_folder(run_id, recorded)), None)
 
 
 def require_own_run_folder(run_id: str, recorded: Iterable[str]) -> None:

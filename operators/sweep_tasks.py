@@ -370,6 +370,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         run_id = context.get("run_id")
         record = read_json(join(run_folder(run_id), SWEEP_RESULT)) or {}
         checks: list[dict[str, Any]] = []
+        grid: list[dict[str, Any]] = []
         store = self.lineage_store()
         try:
             # The night's last task: the executions of cells whose process was killed without
@@ -381,13 +382,14 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                 self.log.warning("closed executions that never reported their end: %s", closed)
             execution = store.start_execution("check", run_id=run_id, pipeline=self.dag_id)
             try:
+                grid = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
                 checks = self._check_forecasts(context, store, execution, record)
-                incomplete = self._incomplete(context, record, checks)
+                incomplete = self._incomplete(context, record, grid, checks)
             except BaseException as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 try:
                     self._write_summary(
-                        context, store, execution, record, task_states, closed, error
+                        context, store, execution, record, grid, task_states, closed, error
                     )
                 except Exception:  # the error above is the one to report
                     self.log.exception("the night summary was not written")
@@ -397,7 +399,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                 raise
             try:
                 state = self._write_summary(
-                    context, store, execution, record, task_states, closed, incomplete
+                    context, store, execution, record, grid, task_states, closed, incomplete
                 )["state"]
             except Exception as exc:  # the night's outcome below still stands
                 self.log.exception("the night summary was not written")
@@ -455,19 +457,20 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         store: Any,
         execution: int,
         record: Mapping[str, Any],
+        grid: list[dict[str, Any]],
         task_states: dict[str, str],
         closed: dict[str, int],
         incomplete: str | None,
     ) -> dict[str, Any]:
-        """The night's run summary (:mod:`operators.sweep.summary`), written before the night
-        fails: ``summary.json`` in its folder and the ``run_summary`` artifact of ``check``."""
+        """The night's run summary (:mod:`operators.sweep.summary`) of the ``grid``'s cells and
+        the forecast runs, written before the night fails: ``summary.json`` in its folder and
+        the ``run_summary`` artifact of ``check``."""
         from operators.run_steps import latest_attempts
         from operators.settings import write_run_file
         from operators.sweep.summary import night_steps, night_summary
 
         run_id = context.get("run_id")
-        cells = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
-        cells += [f["cell"] for f in record.get("forecasts") or []]
+        cells = [*grid, *(f["cell"] for f in record.get("forecasts") or [])]
         graph, steps, graph_error = None, [], None
         try:
             graph = self.step_graph(context)
@@ -497,9 +500,13 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         return summary
 
     def _incomplete(
-        self, context: Any, record: Mapping[str, Any], checks: list[dict[str, Any]]
+        self,
+        context: Any,
+        record: Mapping[str, Any],
+        grid: list[dict[str, Any]],
+        checks: list[dict[str, Any]],
     ) -> str | None:
-        """What makes the night incomplete: a failed cell (read again here: a cleared and
+        """What makes the night incomplete: a failed cell of the ``grid`` (read again here: a cleared and
         repaired cell counts as repaired), no forecast, or a forecast left unchecked. As the
         DAG's leaf, ``check`` then fails the night, so that a backfill with
         ``reprocess_behavior=failed`` completes it."""
@@ -508,7 +515,6 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
             return "no forecast this night: " + (
                 "; ".join(f"{n}: {f.get('error')}" for n, f in fits.items()) or "fit failed"
             )
-        grid = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
         outcomes = _outcomes(self, context, grid)
         problems = [f"[{o['index']}] {o['label']}: {o['reason']}" for o in outcomes if o["reason"]]
         problems += [

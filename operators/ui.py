@@ -102,16 +102,20 @@ def _require(readable: Readable, pipelines: Iterable[str | None]) -> None:
         raise HTTPException(403, f"not allowed to read the runs of {', '.join(denied)}")
 
 
-def _require_run(readable: Readable, run_id: str) -> None:
-    """403 unless the user may read the run's DAG, and the DAG of every recorded run whose
-    run folder ``run_id`` names: folder names are not one-to-one (``a:b`` and ``a_b``), so an
-    unrecorded id could otherwise read a recorded run's ``report.html``."""
-    from operators.settings import run_folder_name
-
+def _require_runs(readable: Readable, run_ids: Iterable[str]) -> None:
+    """403 unless the user may read the DAG of every one of ``run_ids``."""
     lineage = store()
-    name = run_folder_name(run_id)
-    runs = {run_id} | {r for r in lineage.run_ids() if run_folder_name(r) == name}
-    _require(readable, {owner for r in runs for owner in lineage.run_owners(r)})
+    _require(readable, {owner for r in run_ids for owner in lineage.run_owners(r)})
+
+
+def _require_run_folder(readable: Readable, run_id: str) -> None:
+    """:func:`_require_runs` of ``run_id`` and of every recorded run whose run folder it
+    names: folder names are not one-to-one (``a:b`` and ``a_b``), so an unrecorded id could
+    otherwise read a recorded run's files. (Pages read from lineage by the exact id need only
+    that run's DAG.)"""
+    from operators.settings import runs_sharing_folder
+
+    _require_runs(readable, [run_id, *runs_sharing_folder(run_id, store().run_ids())])
 
 
 def _base(request: Request) -> str:
@@ -157,7 +161,7 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
     base = _base(request)
     loss_src = f"{base}/runs/{quote(run_id, safe='')}/loss.png"
     try:
-        _require_run(readable, run_id)
+        _require_runs(readable, [run_id])
         return pages.run_page(store(), run_id, base, loss_src=loss_src)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
@@ -203,7 +207,7 @@ def loss(request: Request, run_id: str, readable: Access) -> Response:
     """The loss curve, with an ETag of the curve: a browser that has it gets 304, and a curve
     drawn before is served from memory."""
     try:
-        _require_run(readable, run_id)
+        _require_runs(readable, [run_id])
         view = run_view(store().run_graph(run_id))
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
@@ -219,7 +223,7 @@ def loss(request: Request, run_id: str, readable: Access) -> Response:
 def static_report(run_id: str, readable: Access) -> Any:
     import fsspec
 
-    _require_run(readable, run_id)
+    _require_run_folder(readable, run_id)
     try:
         with fsspec.open(report_path(run_id), "r") as f:
             return f.read()
@@ -239,8 +243,7 @@ def trace(
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
     # a trace passes through other runs (the sweep's cells read the pipeline's steps)
-    run_ids = {n.producer.run_id for n in pages.producers(root) if n.producer and n.producer.run_id}
-    _require(readable, {owner for r in run_ids for owner in store().run_owners(r)})
+    _require_runs(readable, {n.producer.run_id for n in pages.producers(root) if n.producer.run_id})
     return pages.trace_page(root, _base(request))
 
 

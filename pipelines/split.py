@@ -69,19 +69,20 @@ def split_documents(
     wanted = set(sources)
     # Pass 1: per source, (hash, id, chars) of each document: decide the held-out ids.
     seen: dict[str, list[tuple[bytes, str, int]]] = defaultdict(list)
-    others: dict[str, int] = defaultdict(int)
+    counted: dict[str, int] = defaultdict(int)
     records_in = 0
     for _, doc in _documents(stage_output):
         records_in += 1
         if doc.get("source") in wanted:
             seen[doc["source"]].append((_key(doc["id"]), doc["id"], len(doc["text"])))
         else:
-            others[str(doc.get("source"))] += 1
+            counted[str(doc.get("source"))] += 1
+    others = dict(sorted(counted.items()))
     if others:
         log.warning(
             "split: %d documents of sources the run does not train on, not written: %s",
             sum(others.values()),
-            dict(sorted(others.items())),
+            others,
         )
     heldout: set[str] = set()
     for source in sources:
@@ -122,8 +123,8 @@ def split_documents(
         )
     summary: dict[str, Any] = {"sources": counts, "heldout_fraction": heldout_fraction}
     if others:  # only then: a split of the run's own sources keeps its split.json bytes
-        summary["other_sources"] = dict(sorted(others.items()))
+        summary["other_sources"] = others
     with fsspec.open(join(out, "split.json"), "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     # the step's result (its marker, lineage) always accounts for every document
-    return {"records_in": records_in, "other_sources": dict(sorted(others.items())), **summary}
+    return {"records_in": records_in, "other_sources": others, **summary}

@@ -551,8 +551,8 @@ def _file_stamp(path: str) -> list[Any] | None:
 
 
 def resolved_record(graph: Graph) -> dict[str, Any]:
-    """What the ``fetch`` task writes: the corpora's content ids (with the local files'
-    stamps) and every step's key."""
+    """What the ``fetch`` task writes: the corpora's content ids with their files' stamps
+    (:func:`_file_stamp`), and every step's key."""
     stamps = {p: _file_stamp(p) for p in sorted(graph.content_ids)}
     return {
         "content_ids": dict(sorted(graph.content_ids.items())),
@@ -579,8 +579,8 @@ def read_resolved(run_id: str) -> dict[str, Any] | None:
 def graph_for_run(params: Mapping[str, Any], run_id: str | None) -> Graph:
     """The run's graph: built with the content ids its ``fetch`` task resolved (no corpus file
     is hashed again), checked against the step keys it recorded; :class:`CorpusChanged` when a
-    local corpus file changed since (its size or mtime). Without a resolved graph (a task run
-    on its own, ``fetch`` not run yet) the files are hashed here."""
+    corpus file changed since (its stamp: :func:`_file_stamp`). Without a resolved graph (a
+    task run on its own, ``fetch`` not run yet) the files are hashed here."""
     resolved = read_resolved(run_id) if run_id else None
     if resolved is None:
         return build_graph(params)
@@ -592,7 +592,7 @@ def graph_for_run(params: Mapping[str, Any], run_id: str | None) -> Graph:
         # run's ids no longer name the bytes, and new ones would move every step downstream.
         raise CorpusChanged(
             f"{', '.join(changed_files)} changed since this run's fetch resolved the corpora "
-            "(size or modification time): clear fetch with its downstream tasks to run on the "
+            "(its size and modification time, or the object's generation): clear fetch with its downstream tasks to run on the "
             "new bytes (steps whose inputs did not change stay cache hits)"
         )
     graph = build_graph(params, content_ids=resolved["content_ids"])

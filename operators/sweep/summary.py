@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from operators.pipeline.definition import PIPELINE, Role
-from operators.run_steps import step_states, stepless_failures
+from operators.run_steps import settle_failures, step_states, stepless_failures
 from operators.steps import Step, output_path
-from operators.sweep.grid import cell_steps
+from operators.sweep.grid import cell_steps, cell_train_step
 
 # The pipeline's tasks the sweep runs too (dags/slipway_scaling_sweep.py), those with steps.
 DATA_PLANE_ROLES = (Role.BEAM, Role.SPLIT)
@@ -54,7 +54,6 @@ def cells_resume_from(
 ) -> list[dict[str, Any]]:
     """Each cell whose training a rerun runs again and that committed a checkpoint: the
     cell's label, the step it resumes from and the checkpoint's folder."""
-    from operators.sweep.grid import cell_train_step
     from trainer.rundir import last_checkpoint
 
     again = set(rerun)
@@ -97,11 +96,7 @@ def night_summary(
     failed += step_failed
     if incomplete:
         failed.append({"step": "check", "error": incomplete})
-    failed_tasks = sorted(t for t, s in task_states.items() if s in ("failed", "upstream_failed"))
-    if not failed and failed_tasks:
-        failed.append({"step": failed_tasks[0], "error": f"task {task_states[failed_tasks[0]]}"})
-    if graph_error and not failed:
-        failed.append({"step": "fetch", "error": graph_error})
+    failed = settle_failures(failed, dict(task_states), graph_error)
     return {
         "run_id": run_id,
         "pipeline": pipeline,

@@ -204,6 +204,19 @@ def tiny_conf(data_dir: Path, **overrides: object) -> dict:
     return conf
 
 
+def tiny_params(data_dir: Path) -> dict:
+    """The pipeline form's validated values for the tiny run on corpora made in ``data_dir``:
+    what a task's ``params`` hold."""
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import pipeline_params
+
+    p = ParamsDict()
+    p.update(pipeline_params())
+    p.update(tiny_conf(make_corpora(data_dir)))
+    return p.validate()
+
+
 def tiny_sweep_conf(data_dir: Path, **overrides: object) -> dict:
     """Sweep form for a tiny sweep: the tiny run's data fields, two budgets x three sizes
     (six cells of ~50 steps) and a forecast at 10x."""

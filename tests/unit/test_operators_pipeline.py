@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.support.tiny_pipeline import make_corpora, tiny_conf
+from tests.support.tiny_pipeline import tiny_params
 
 
 @pytest.fixture
@@ -23,14 +23,7 @@ def home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def params(tmp_path):
-    from airflow.sdk.definitions.param import ParamsDict
-
-    from operators.params import pipeline_params
-
-    p = ParamsDict()
-    p.update(pipeline_params())
-    p.update(tiny_conf(make_corpora(tmp_path / "data")))
-    return p.validate()
+    return tiny_params(tmp_path / "data")
 
 
 def _context(params, run_id="manual__1"):

@@ -20,7 +20,7 @@ from operators.promotion import (
     promotions,
     record_promotion,
 )
-from tests.support.tiny_pipeline import make_corpora, tiny_conf
+from tests.support.tiny_pipeline import tiny_params
 
 
 def evaluation(
@@ -228,14 +228,7 @@ def home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def params(tmp_path):
-    from airflow.sdk.definitions.param import ParamsDict
-
-    from operators.params import pipeline_params
-
-    p = ParamsDict()
-    p.update(pipeline_params())
-    p.update(tiny_conf(make_corpora(tmp_path / "data")))
-    return p.validate()
+    return tiny_params(tmp_path / "data")
 
 
 EXPORT_DIR = "/steps/export-0000/hf"

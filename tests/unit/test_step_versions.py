@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from tests.support.tiny_pipeline import make_corpora, tiny_conf
+from tests.support.tiny_pipeline import tiny_params
 
 # kind -> (its OUTPUT_VERSIONS number, the digest of its config's defaults)
 DEFAULTS = {
@@ -59,14 +59,7 @@ def test_a_changed_default_comes_with_a_bumped_output_version(kind):
 
 @pytest.fixture
 def params(tmp_path):
-    from airflow.sdk.definitions.param import ParamsDict
-
-    from operators.params import pipeline_params
-
-    p = ParamsDict()
-    p.update(pipeline_params())
-    p.update(tiny_conf(make_corpora(tmp_path / "data")))
-    return p.validate()
+    return tiny_params(tmp_path / "data")
 
 
 def test_a_bump_recomputes_the_step_and_everything_downstream(params, monkeypatch):

@@ -224,25 +224,32 @@ def test_wait_times_out(tmp_path):
         runner.run(step, _counting([]))
 
 
-def test_waiter_does_not_rerun_a_failure_it_waited_for(tmp_path):
-    step = Step("flaky", {})
+def _owner_ending_with(tmp_path: Path, step: Step, error: BaseException) -> threading.Thread:
+    """Runner "A" holding ``step`` in a thread, its work ending with ``error`` 0.3 s after it
+    started; returned once the work has started (joined by the caller)."""
     started = threading.Event()
 
-    def fail(spec: StepSpec):
+    def work(spec: StepSpec):
         started.set()
         time.sleep(0.3)
-        raise RuntimeError("oom")
+        raise error
 
     def hold():
-        with pytest.raises(RuntimeError):
-            StepRunner(str(tmp_path), owner="A").run(step, fail)
+        with pytest.raises(type(error)):
+            StepRunner(str(tmp_path), owner="A").run(step, work)
 
     thread = threading.Thread(target=hold)
     thread.start()
     assert started.wait(5)
+    return thread
+
+
+def test_waiter_does_not_rerun_a_failure_it_waited_for(tmp_path):
+    step = Step("flaky", {})
+    owner = _owner_ending_with(tmp_path, step, RuntimeError("oom"))
     with pytest.raises(StepFailedElsewhere, match="oom"):
         StepRunner(str(tmp_path), owner="B", poll_seconds=0.02).run(step, _counting([]))
-    thread.join()
+    owner.join()
 
 
 def test_a_waiter_runs_a_step_whose_owner_was_killed(tmp_path):
@@ -252,23 +259,10 @@ def test_a_waiter_runs_a_step_whose_owner_was_killed(tmp_path):
     from airflow.sdk.exceptions import AirflowTaskTerminated
 
     step = Step("killed", {})
-    started = threading.Event()
-
-    def killed(spec: StepSpec):
-        started.set()
-        time.sleep(0.3)
-        raise AirflowTaskTerminated("Task received SIGTERM signal")
-
-    def hold():
-        with pytest.raises(AirflowTaskTerminated):
-            StepRunner(str(tmp_path), owner="A").run(step, killed)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    assert started.wait(5)
+    owner = _owner_ending_with(tmp_path, step, AirflowTaskTerminated("Task received SIGTERM"))
     calls: list[str] = []
     result = StepRunner(str(tmp_path), owner="B", poll_seconds=0.02).run(step, _counting(calls))
-    thread.join()
+    owner.join()
     assert result.outcome is Outcome.RAN and len(calls) == 1
     assert result.status.status is Status.SUCCESS and result.status.owner == "B"
 
