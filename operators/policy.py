@@ -35,7 +35,8 @@ variable                                   what it adds to the platform's own va
                                            at or below an entry (``gs://`` prefixes); the
                                            platform's ``$SLIPWAY_DATAFLOW_TEMP_LOCATION``,
                                            ``$SLIPWAY_DATAFLOW_STAGING_LOCATION`` and a
-                                           ``gs://`` storage root (``$SLIPWAY_HOME``) always
+                                           ``gs://`` storage root (``$SLIPWAY_HOME``, else the
+                                           Airflow Variable ``slipway_home``) always
 =========================================  =====================================================
 
 ``gke.context`` picks a context of ``gke.kubeconfig``: without an allowed kubeconfig it would
@@ -76,11 +77,7 @@ _PLATFORM_VALUE_ENV = {
     "dataflow_service_accounts": ("SLIPWAY_DATAFLOW_SERVICE_ACCOUNT",),
     "images": ("SLIPWAY_TRAINER_IMAGE", "SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE"),
     "dataflow_projects": ("SLIPWAY_DATAFLOW_PROJECT_ID",),
-    "dataflow_locations": (
-        "SLIPWAY_DATAFLOW_TEMP_LOCATION",
-        "SLIPWAY_DATAFLOW_STAGING_LOCATION",
-        "SLIPWAY_HOME",
-    ),
+    "dataflow_locations": ("SLIPWAY_DATAFLOW_TEMP_LOCATION", "SLIPWAY_DATAFLOW_STAGING_LOCATION"),
 }
 
 
@@ -109,7 +106,14 @@ class RunPolicy:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RunPolicy:
-        environ = os.environ if environ is None else environ
+        """The policy of ``environ`` (default: this process's environment, where the storage
+        root may also come from the Airflow Variable, as every step's outputs do)."""
+        if environ is None:
+            from operators.settings import storage_root
+
+            environ, root = os.environ, storage_root()
+        else:
+            root = environ.get("SLIPWAY_HOME", "").strip()
         found: dict[str, tuple[str, ...]] = {}
         for field, name in ALLOW_ENV.items():
             values = list(env_list(environ, name))
@@ -118,9 +122,11 @@ class RunPolicy:
                 if value and field == "images":
                     value = image_repository(value) or value
                 if field == "dataflow_locations" and not value.startswith("gs://"):
-                    continue  # a local storage root: Dataflow stages nothing there
+                    continue  # a local path: Dataflow stages nothing there
                 if value:
                     values.append(value)
+            if field == "dataflow_locations" and root.startswith("gs://"):
+                values.append(root)  # what the stages write below is the platform's bucket
             if field == "gcp_conn_ids":
                 values.append(DEFAULT_GCP_CONN_ID)
             found[field] = tuple(dict.fromkeys(values))

@@ -393,6 +393,29 @@ def test_the_platforms_own_dataflow_projects_and_buckets_are_accepted(dag, dataf
     )
 
 
+def test_a_storage_root_from_the_airflow_variable_is_the_platforms_bucket_too(
+    dag, dataflow_platform
+):
+    """Step outputs follow the Variable ``slipway_home`` when ``$SLIPWAY_HOME`` is unset; so
+    does what the policy calls the platform's storage root."""
+    from operators import settings
+    from operators.pipeline.form import check_run_config
+    from operators.policy import PolicyViolation, enforce
+
+    dataflow_platform.delenv("SLIPWAY_HOME")
+    dataflow_platform.setattr(
+        settings,
+        "_variable",
+        lambda key: "gs://slipway-data/home" if key == "slipway_home" else None,
+    )
+    below_root = _dataflow(dag, {"temp_location": "gs://slipway-data/home/tmp"})
+    check_run_config(below_root)
+    enforce(below_root)
+    beside_root = _dataflow(dag, {"temp_location": "gs://slipway-data/home2/tmp"})
+    with pytest.raises(PolicyViolation, match=r"dataflow\.temp_location 'gs://slipway-data/home2"):
+        enforce(beside_root)
+
+
 def test_a_kube_context_needs_an_allowed_kubeconfig(dag, gke_platform, tmp_path):
     """Alone, a context would pick a user of the worker's default kubeconfig."""
     from operators.pipeline.form import check_run_config
