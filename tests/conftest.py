@@ -10,6 +10,10 @@ import pytest
 
 # Keep JAX and BLAS from fighting over the two cores with Beam workers.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+# No test reaches the Hugging Face Hub: set before anything imports huggingface_hub, datasets
+# or transformers, which read these once, at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -35,6 +39,17 @@ def _data_roots_allow_test_folders(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SLIPWAY_ALLOWED_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _empty_memory_filesystem():
+    """fsspec's ``memory://`` filesystem is one store per process: emptied after each test, so
+    that what one test wrote (a step's marker, a metrics file) is never another's input."""
+    yield
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]
 
 
 # -- a real PostgreSQL server for the lineage store (pgserver: binaries in the wheel) ---------

@@ -1,11 +1,11 @@
-"""The e2e tests' Airflow: one real ``airflow standalone`` for the whole session.
+"""The e2e tests' Airflow: one real ``airflow standalone``, shared by every e2e test.
 
 Started as a user starts it (``make airflow``, which runs ``airflow standalone``: scheduler,
 dag-processor, API server, triggerer; LocalExecutor on SQLite) on a free loopback port, in a
 throwaway ``OUT`` (its ``AIRFLOW_HOME``), with the repo's ``dags/`` and ``plugins/`` (the
 lineage listener) and tiny synthetic corpora as the platform's data dir. Shared by the REST
-tests and the browser tests (start-up is about a minute on two cores); always stopped, its
-whole process group.
+tests and the browser tests (start-up is about a minute on two cores); stopped, its whole
+process group, after the last test that uses it.
 """
 
 from __future__ import annotations
@@ -229,19 +229,40 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(f"signal {signum}")  # runs the fixture's finally: no orphaned Airflow
 
 
+_RUNNING: list[Airflow] = []  # the session's standalone while it runs
+
+
 @pytest.fixture(scope="session")
 def airflow(tmp_path_factory):
     af = Airflow(tmp_path_factory.mktemp("standalone"))
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         t0 = time.monotonic()
+        _RUNNING.append(af)
         af.start()
         af.wait_for_dag()
         print(f"standalone up and {DAG_ID} parsed in {time.monotonic() - t0:.0f}s")
         yield af
     finally:
+        if af in _RUNNING:
+            _RUNNING.remove(af)
         af.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the standalone after the last test that uses it, not at the session's end.
+
+    The e2e tests are collected first; a session fixture would keep the scheduler,
+    dag-processor, API server and triggerer busy on the 2 cores through every integration and
+    unit test after them. (Package scope would need ``tests/e2e`` to be a package.)
+    """
+    if not _RUNNING or nextitem is None:
+        return  # nothing running, or the session's end tears the fixture down anyway
+    items = item.session.items
+    later = items[items.index(item) + 1 :]
+    if not any("airflow" in getattr(other, "fixturenames", ()) for other in later):
+        _RUNNING.pop().stop()
 
 
 @pytest.fixture

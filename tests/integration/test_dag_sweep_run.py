@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -84,8 +85,9 @@ def executions(env, run_id: str) -> dict[str, object]:
 def run_file(env, run_id: str, name: str) -> object:
     from operators.settings import run_folder
 
-    os.environ["SLIPWAY_HOME"] = env["SLIPWAY_HOME"]
-    return json.loads((Path(run_folder(run_id)) / name).read_text())
+    with mock.patch.dict(os.environ, {"SLIPWAY_HOME": env["SLIPWAY_HOME"]}):
+        folder = Path(run_folder(run_id))
+    return json.loads((folder / name).read_text())
 
 
 def test_a_night_with_a_failing_cell_fits_forecasts_and_checks(env):

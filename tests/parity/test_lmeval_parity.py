@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import lm_eval  # a dev dependency (requirements-parity.txt, installed by make install)
@@ -180,8 +179,6 @@ def ours(tiny_run, tmp_path: Path, tasks: str, shots_task: bool = False) -> dict
 
 
 def harness(exported: Path, root: Path, names: list[str], shots: int) -> dict[str, list[dict]]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

@@ -2,29 +2,44 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-import sysconfig
+import tarfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 import tokenstore
 
+# Real text that is the same on every machine: the first 52 modules, by name, of CPython
+# 3.11.7's standard library (Python Software Foundation License; LICENSE.txt in the archive),
+# committed rather than read from the running interpreter, whose stdlib differs by version.
+STDLIB_SAMPLE = Path(__file__).with_name("texts") / "python-3.11.7-stdlib.tar.xz"
+
+
+@functools.cache
+def _stdlib_sample() -> tuple[str, ...]:
+    with tarfile.open(STDLIB_SAMPLE) as tar:
+        members = sorted(
+            (m for m in tar.getmembers() if m.name.endswith(".py")), key=lambda m: m.name
+        )
+        return tuple(tar.extractfile(m).read().decode("utf-8", "replace") for m in members)
+
 
 def stdlib_texts(max_bytes: int = 1 << 20, skip: int = 0) -> list[str]:
     """Real text: Python standard-library sources, in a fixed order (skip = held-out offset)."""
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))
     texts, total = [], 0
-    for path in files[skip:]:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+    for text in _stdlib_sample()[skip:]:
         texts.append(text)
         total += len(text.encode("utf-8"))
         if total >= max_bytes:
-            break
-    return texts
+            return texts
+    raise ValueError(
+        f"the stdlib sample holds {total} bytes past module {skip}, fewer than the {max_bytes} "
+        f"asked for: add modules to {STDLIB_SAMPLE.name}"
+    )
 
 
 def train_sentencepiece(texts: Sequence[str], vocab_size: int, model_dir: str) -> str:

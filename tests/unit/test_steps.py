@@ -202,14 +202,16 @@ def test_live_lease_is_waited_for(tmp_path):
 
 
 def test_heartbeat_keeps_a_long_step_alive(tmp_path):
-    # The step outlives its lease several times over; only the heartbeat keeps it live.
+    # The step outlives its lease three times over; only the heartbeat keeps it live. The
+    # heartbeat renews every third of the lease, so a stall of the machine must pass ~0.6 s
+    # before the lease would lapse.
     step = Step("long", {})
-    runner = StepRunner(str(tmp_path), owner="A", lease_seconds=0.3)
+    runner = StepRunner(str(tmp_path), owner="A", lease_seconds=1.0)
     seen: list[Action] = []
 
     def long(spec: StepSpec):
-        for _ in range(5):
-            time.sleep(0.2)
+        for _ in range(6):
+            time.sleep(0.5)
             seen.append(plan([step], str(tmp_path))[0].action)
 
     assert runner.run(step, long).outcome is Outcome.RAN

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import gc
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import psutil
 import pytest
 
 from trainer import checkpoint as ckpt
@@ -68,23 +69,44 @@ def test_rolling_and_permanent(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [f"step-{s:09d}" for s in (3, 5, 6, 7)]
 
 
+# Run in a child process: the suite's own process holds whatever earlier tests left (JAX's
+# and Beam's threads, caches), whose allocations would count against the checkpointer.
+_SAVES = r"""
+import gc, json, sys
+import jax, jax.numpy as jnp, psutil
+from trainer import checkpoint as ckpt
+
+n = 1024  # ~4 MiB of float32 per save, 8 MiB with the copy in flight
+tree = {"w": jax.random.normal(jax.random.key(0), (n, n)), "step": jnp.asarray(7, jnp.int32)}
+c = ckpt.Checkpointer(sys.argv[1], keep=1)
+proc = psutil.Process()
+for step in range(15):  # warm up allocators and TensorStore
+    c.save(step, tree)
+c.wait()
+gc.collect()
+before = proc.memory_info().rss
+for step in range(15, 55):
+    c.save(step, tree)
+c.wait()
+gc.collect()
+growth = proc.memory_info().rss - before
+c.close()
+print(json.dumps({"growth": growth, "steps": [s for s, _ in ckpt.committed_steps(sys.argv[1])]}))
+"""
+
+
 def test_host_memory_does_not_grow_over_many_saves(tmp_path):
-    proc = psutil.Process()
-    tree = _tree(n=1024)  # ~4 MiB of float32 per save, 8 MiB with the copy in flight
-    c = ckpt.Checkpointer(str(tmp_path), keep=1)
-    for step in range(15):  # warm up allocators and TensorStore
-        c.save(step, tree)
-    c.wait()
-    gc.collect()
-    before = proc.memory_info().rss
-    for step in range(15, 55):
-        c.save(step, tree)
-    c.wait()
-    gc.collect()
-    growth = proc.memory_info().rss - before
-    c.close()
-    assert growth < 24 << 20, f"RSS grew {growth / 2**20:.1f} MiB over 40 saves"
-    assert [s for s, _ in ckpt.committed_steps(str(tmp_path))] == [54]
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "PYTHONPATH": "."}
+    out = subprocess.run(
+        [sys.executable, "-c", _SAVES, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["growth"] < 24 << 20, f"RSS grew {found['growth'] / 2**20:.1f} MiB over 40 saves"
+    assert found["steps"] == [54]
 
 
 def test_metrics_log_appends_locally_and_rewrites_on_object_stores(tmp_path):
