@@ -9,7 +9,7 @@ Conventions:
 - A model is a pytree whose leaves are exactly its parameters (all config is static), so it can
   be passed straight through ``jax.jit`` with per-leaf shardings.
 - Weights are raw arrays laid out ``(in, ..., out)`` and applied with ``einsum``; each named
-  weight has logical axes in ``PARAM_AXES`` which ``trainer.sharding`` maps to mesh axes.
+  weight has logical axes in ``PARAM_AXES`` which ``trainer.distributed`` maps to mesh axes.
 - Layers are stacked along a leading axis. On accelerators deep stacks run with ``lax.scan``
   (compile time constant in depth, which matters for 8B TPU runs); on the CPU backend, and on
   accelerators up to ``UNROLL_MAX_LAYERS_ACCELERATOR`` layers, one copy per layer is traced

@@ -481,7 +481,9 @@ def test_nonconvergence_is_recorded_and_falls_back_safely(tmp_path):
 
 
 def test_bad_config_is_refused():
-    with pytest.raises(StageError, match="unknown config field"):
+    with pytest.raises(
+        StageError, match=r"unknown config field\(s\) for FuzzyDedupConfig: treshold"
+    ):
         config_from_mapping(FuzzyDedupConfig, {"treshold": 0.8})
     with pytest.raises(StageError, match="bands"):
         config_from_mapping(FuzzyDedupConfig, {"bands": 300, "rows": 2})

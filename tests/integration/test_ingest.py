@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import gc
 import gzip
 import json
@@ -94,14 +95,18 @@ def test_nothing_is_lost(hostile_run):
 
 def test_each_bad_record_gets_its_reason(hostile_run):
     _, manifest = hostile_run
-    dropped = manifest.dropped
-    assert dropped["invalid_json"] >= 2  # truncated line, "not json", binary lines
-    for reason in ("invalid_utf8", "missing_text", "non_string_text", "empty_text"):
-        assert dropped[reason] >= 1, reason
-    assert dropped["duplicate_id"] == 1
-    assert dropped["invalid_record"] == 1
-    assert dropped["too_long"] == 1
-    assert dropped["unreadable_file"] == 1
+    assert manifest.dropped == {
+        "invalid_json": 2,  # the truncated line, "not json at all"
+        "invalid_utf8": 65,  # mixed.jsonl's latin-1 line; 64 of blob.jsonl's 66 lines
+        "binary_data": 2,  # blob.jsonl's lines that are UTF-8 but hold NUL bytes
+        "missing_text": 1,
+        "non_string_text": 1,
+        "empty_text": 1,
+        "duplicate_id": 1,
+        "invalid_record": 1,  # a JSON list
+        "too_long": 1,
+        "unreadable_file": 1,  # the rest of the cut gzip file
+    }
 
 
 def test_good_records_survive_and_are_normalized(hostile_run):
@@ -114,21 +119,31 @@ def test_good_records_survive_and_are_normalized(hostile_run):
 
 
 def test_duplicate_id_keeps_one_and_names_it(hostile_run):
+    """Of the two records with id doc-3 (mixed.jsonl's lines 4 and 27), the one with the
+    smaller hash of its text is kept: line 4's, the same on every run and runner."""
     out, _ = hostile_run
-    letter = next(x for x in read_dead_letters(str(out)) if x["reason"] == "duplicate_id")
-    assert letter["record"]["id"] == "doc-3"
-    assert letter["duplicate_of"].endswith(".jsonl:4") or letter["duplicate_of"].endswith(
-        ".jsonl:27"
-    )
+    kept = {d["id"]: d for d in read_documents(str(out))}
+    assert kept["doc-3"]["text"] == "Document number 3 has ordinary text."
+    [letter] = [x for x in read_dead_letters(str(out)) if x["reason"] == "duplicate_id"]
+    assert letter["record"]["text"] == "A second record claiming id doc-3."
+    assert letter["origin"].endswith("mixed.jsonl:27"), letter["origin"]
+    assert letter["duplicate_of"].endswith("mixed.jsonl:4"), letter["duplicate_of"]
 
 
-def test_binary_bytes_are_kept_verbatim_in_dead_letters(hostile_run):
+def test_binary_bytes_are_kept_verbatim_in_dead_letters(hostile_run, hostile_inputs):
+    """Every line of the binary file is a letter whose record gives back the line's exact
+    bytes: base64 where they are not UTF-8, the text itself where they are (NUL bytes)."""
     out, _ = hostile_run
     binary = [x for x in read_dead_letters(str(out)) if "blob.jsonl" in x["origin"]]
-    assert binary, "binary file produced no dead letters"
-    assert any(isinstance(x["record"], dict) and "base64" in x["record"] for x in binary) or any(
-        x["reason"] == "binary_data" for x in binary
-    )
+    assert {x["reason"] for x in binary} == {"invalid_utf8", "binary_data"}, binary
+
+    def raw(letter) -> bytes:
+        record = letter["record"]
+        return base64.b64decode(record["base64"]) if isinstance(record, dict) else record.encode()
+
+    by_line = sorted(binary, key=lambda x: int(x["origin"].rsplit(":", 1)[1]))
+    recovered = b"".join(raw(x) + b"\n" for x in by_line)  # a letter's line, its newline cut
+    assert recovered == (hostile_inputs / "blob.jsonl").read_bytes()
 
 
 def test_big_document_is_kept_when_allowed(tmp_path):

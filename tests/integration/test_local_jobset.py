@@ -304,8 +304,9 @@ def test_wait_timeout_and_run_timeout_kill(fake):
         backend.wait(handle, timeout=0.3)
     assert backend.cancel(handle).reason == "Cancelled"
     with pytest.raises(TimeoutError):
-        backend.run(launch(fake, "hang", topology="1", name="run-2"), timeout=0.5)
+        backend.run(launch(fake, "hang", topology="1", name="run-2"), timeout=3)
     pids = [int(x) for x in (out(fake) / "0-0.pids").read_text().split()]
+    assert len(pids) == 4, pids  # each run's pod and its grandchild (the file is appended to)
     time.sleep(0.2)
     assert [pid for pid in pids if _alive(pid)] == []
 

@@ -221,24 +221,35 @@ def test_openlineage_facets_name_inputs_and_outputs(home, params, monkeypatch):
 # -- split --------------------------------------------------------------------------------------
 
 
-def test_split_is_deterministic_and_disjoint(tmp_path):
+def _split_input(folder: Path, docs: list[dict]) -> Path:
+    """A stage output of one shard holding ``docs``, as the split reads it."""
     from pipelines.manifest import Manifest, ShardInfo
+
+    (folder / "data").mkdir(parents=True)
+    body = "".join(json.dumps(d) + "\n" for d in docs).encode()
+    (folder / "data" / "part-0.jsonl.gz").write_bytes(gzip.compress(body, mtime=0))
+    shard = ShardInfo("data/part-0.jsonl.gz", len(docs), 0, "")
+    manifest = Manifest("decontaminate", {}, [], len(docs), len(docs), {}, [shard], [])
+    (folder / "manifest.json").write_text(manifest.to_json())
+    return folder
+
+
+def _split_docs(sources: tuple[str, ...], n: int, words: int = 50) -> list[dict]:
+    return [
+        {"id": f"{s}-{i}", "text": "word " * words, "source": s, "metadata": {}}
+        for s in sources
+        for i in range(n)
+    ]
+
+
+def _ids(path: Path) -> set[str]:
+    return {json.loads(x)["id"] for x in gzip.decompress(path.read_bytes()).splitlines()}
+
+
+def test_split_is_deterministic_and_disjoint(tmp_path):
     from pipelines.split import split_documents
 
-    stage = tmp_path / "stage"
-    (stage / "data").mkdir(parents=True)
-    docs = [
-        {"id": f"{s}-{i}", "text": "word " * 50, "source": s, "metadata": {}}
-        for s in ("a", "b")
-        for i in range(40)
-    ]
-    body = "".join(json.dumps(d) + "\n" for d in docs).encode()
-    (stage / "data" / "part-0.jsonl.gz").write_bytes(gzip.compress(body, mtime=0))
-    (stage / "manifest.json").write_text(
-        Manifest(
-            "decontaminate", {}, [], 80, 80, {}, [ShardInfo("data/part-0.jsonl.gz", 80, 0, "")], []
-        ).to_json()
-    )
+    stage = _split_input(tmp_path / "stage", _split_docs(("a", "b"), 40))
     out1, out2 = tmp_path / "o1", tmp_path / "o2"
     r1 = split_documents(str(stage), str(out1), ["a", "b"], 0.1, 500)
     r2 = split_documents(str(stage), str(out2), ["a"], 0.1, 500)
@@ -251,12 +262,46 @@ def test_split_is_deterministic_and_disjoint(tmp_path):
     # 500 chars needs 2 documents of 250; the fraction asks for 4.
     assert r1["sources"]["a"]["heldout"] == 4
 
-    def ids(path):
-        return {json.loads(x)["id"] for x in gzip.decompress(path.read_bytes()).splitlines()}
-
-    held, train = ids(out1 / "heldout" / "a.jsonl.gz"), ids(out1 / "train" / "a.jsonl.gz")
+    held, train = _ids(out1 / "heldout" / "a.jsonl.gz"), _ids(out1 / "train" / "a.jsonl.gz")
     assert not held & train
-    assert held == ids(out2 / "heldout" / "a.jsonl.gz")  # same documents, same split
+    assert held == _ids(out2 / "heldout" / "a.jsonl.gz")  # same documents, same split
+
+
+def test_split_sizes_the_heldout_part_by_chars_and_caps_it_at_half(tmp_path):
+    from pipelines.split import split_documents
+
+    stage = _split_input(tmp_path / "stage", _split_docs(("a",), 40))  # 250 chars each
+    by_chars = split_documents(str(stage), str(tmp_path / "o1"), ["a"], 0.1, 2000)
+    assert by_chars["sources"]["a"] == {"train": 32, "heldout": 8}  # 2000 chars: 8, not 4
+    capped = split_documents(str(stage), str(tmp_path / "o2"), ["a"], 0.1, 10**9)
+    assert capped["sources"]["a"] == {"train": 20, "heldout": 20}  # never more than half
+    # the smallest sha1(id) first: the 8 held out are among the 20
+    assert _ids(tmp_path / "o1" / "heldout" / "a.jsonl.gz") < _ids(
+        tmp_path / "o2" / "heldout" / "a.jsonl.gz"
+    )
+
+
+def test_split_does_not_depend_on_the_input_order(tmp_path):
+    from pipelines.split import split_documents
+
+    docs = _split_docs(("a", "b"), 30)
+    forward = _split_input(tmp_path / "forward", docs)
+    backward = _split_input(tmp_path / "backward", docs[::-1])
+    r1 = split_documents(str(forward), str(tmp_path / "o1"), ["a", "b"], 0.2, 0)
+    r2 = split_documents(str(backward), str(tmp_path / "o2"), ["a", "b"], 0.2, 0)
+    assert r1 == r2
+    for kind in ("train", "heldout"):
+        for source in ("a", "b"):
+            name = f"{kind}/{source}.jsonl.gz"
+            assert _ids(tmp_path / "o1" / name) == _ids(tmp_path / "o2" / name), name
+
+
+def test_split_refuses_a_source_too_small_to_split(tmp_path):
+    from pipelines.split import split_documents
+
+    stage = _split_input(tmp_path / "stage", _split_docs(("a",), 40) + _split_docs(("tiny",), 1))
+    with pytest.raises(ValueError, match=r"source 'tiny': 1 clean documents; need >= 2"):
+        split_documents(str(stage), str(tmp_path / "out"), ["a", "tiny"], 0.1, 500)
 
 
 # -- training config and record -----------------------------------------------------------------
@@ -359,12 +404,10 @@ class _TaskInstance:
         return {self.run_id: self._states}
 
 
-def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path):
+def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path, monkeypatch):
     """A task process killed while its supervisor lives (SIGKILL, OOM) reports no ending and
     no listener hook fires: ``record`` closes its execution FAILED, and what a task left
     RUNNING without failing CANCELED. A killed train without a live lease is not waited for."""
-    import time as clock
-
     from operators.lineage import ExecutionState
     from operators.record import RecordRunOperator
 
@@ -385,9 +428,12 @@ def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path):
             "run-k", {"train": "failed", "evaluate": "failed", "tokenize": "success"}
         ),
     }
-    t0 = clock.monotonic()
+
+    def waited(*args):
+        raise AssertionError("no lease is live: nobody is still recording train")
+
+    monkeypatch.setattr(RecordRunOperator, "_wait_for_train_ending", waited)
     summary = RecordRunOperator().summarize(context)
-    assert clock.monotonic() - t0 < 30  # no lease is live: nobody is still recording train
     assert (summary["failed_unreported_executions"], summary["canceled_executions"]) == (1, 1)
     with _store(home) as store:
         evaluate, tokens = store.execution(died), store.execution(left)
@@ -395,6 +441,85 @@ def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path):
     assert str(evaluate.state) == "FAILED" and evaluate.properties["closed_by"] == "record"
     assert "without reporting its end" in evaluate.error
     assert str(tokens.state) == "CANCELED" and "Airflow: success" in tokens.error
+
+
+def _killed_train(home: Path, run_id: str, output: Path) -> int:
+    """A train execution the listener closed (its task was killed from the UI) while the
+    trainer, still ending, holds the step's live lease in ``output``."""
+    from operators.lineage import ExecutionState
+    from operators.steps import LEASE_PREFIX, Lease
+
+    output.mkdir(parents=True)
+    lease = Lease(0, "trainer-ending", time.time() + 600)
+    (output / f"{LEASE_PREFIX}000000").write_text(json.dumps(lease.__dict__))
+    with _store(home) as store:
+        killed = store.start_execution(
+            "train", run_id=run_id, properties={"task_id": "train", "output": str(output)}
+        )
+        store.finish_execution(
+            killed, ExecutionState.FAILED, error="killed", properties={"closed_by": "listener"}
+        )
+    return killed
+
+
+def _record_context(params, run_id: str) -> dict:
+    return {**_context(params, run_id), "ti": _TaskInstance(run_id, {"train": "failed"})}
+
+
+def _train_row(summary: dict) -> dict:
+    (row,) = [r for r in summary["steps"] if r["step"].startswith("train-")]
+    return row
+
+
+def test_record_waits_for_a_killed_train_to_record_its_ending(home, params, tmp_path):
+    """The trainer's own report (CANCELED, its last checkpoint) arrives after the listener
+    closed the execution: ``record`` waits for it and summarizes it, not the listener's."""
+    import threading
+
+    from operators.lineage import ExecutionState
+    from operators.record import RecordRunOperator
+
+    killed = _killed_train(home, "run-w", tmp_path / "train")
+
+    def trainer_reports():
+        time.sleep(0.5)
+        with _store(home) as store:
+            store.finish_execution(
+                killed,
+                ExecutionState.CANCELED,
+                error="AirflowTaskTerminated: terminated",
+                properties={"resumable": True, "last_checkpoint_step": 40},
+            )
+
+    reporter = threading.Thread(target=trainer_reports)
+    reporter.start()
+    try:
+        summary = RecordRunOperator().summarize(_record_context(params, "run-w"))
+    finally:
+        reporter.join()
+    row = _train_row(summary)
+    assert (row["state"], row["error"]) == ("CANCELED", "AirflowTaskTerminated: terminated")
+
+
+def test_record_stops_waiting_for_a_killed_train_after_its_grace(
+    home, params, tmp_path, monkeypatch
+):
+    """A trainer that never reports (a lease held, nothing recorded) delays the summary by
+    ``KILLED_TRAIN_GRACE_S`` at most; the summary then has what the listener recorded."""
+    from structlog.testing import capture_logs
+
+    from operators import record
+    from operators.record import RecordRunOperator
+
+    _killed_train(home, "run-g", tmp_path / "train")
+    monkeypatch.setattr(record, "KILLED_TRAIN_GRACE_S", 0.1)
+    with capture_logs() as logs:  # operators log through structlog
+        summary = RecordRunOperator().summarize(_record_context(params, "run-g"))
+    warned = [e for e in logs if "did not record its ending" in e["event"]]
+    assert [e["log_level"] for e in warned] == ["warning"], logs
+    row = _train_row(summary)
+    assert (row["state"], row["error"]) == ("FAILED", "killed")
+    assert summary["failed"][0]["step"] == "train"
 
 
 class _RecordingBackend:
