@@ -45,8 +45,9 @@ PIPELINE_ONLY = (
     "gate_max_regression",
 )
 METRICS = ("loss", "bits_per_byte")
-# A JSON object of form values: the platform's nightly sweep. Scheduled nights run the form's
-# defaults, so this is what a night sweeps, and what the form shows first.
+# A JSON object of form values, or the path of a file holding one: the platform's nightly
+# sweep. Scheduled nights run the form's defaults, so this is what a night sweeps, and what
+# the form shows first.
 SWEEP_CONF_ENV = "SLIPWAY_SWEEP_CONF"
 MAX_CELLS = 256  # one night's grid; more is a typo in budgets or points
 RECIPE_NAMES = ("marin-2025", "chinchilla-deepseek")  # trainer/recipes.py (a test checks)
@@ -162,17 +163,25 @@ def _with_platform_sweep(
     fields: dict[str, dict[str, Any]], environ: Mapping[str, str] | None
 ) -> dict[str, dict[str, Any]]:
     """The form with ``$SLIPWAY_SWEEP_CONF``'s values as its defaults, each checked against its
-    field's schema at parse time (a bad one would refuse every night, far from its cause)."""
+    field's schema at parse time (a bad one would refuse every night, far from its cause).
+
+    The variable holds a JSON object (what the Helm chart's ``sweepForm`` sets), or the path
+    of a file holding one.
+    """
     import json
     import os
 
-    path = (os.environ if environ is None else environ).get(SWEEP_CONF_ENV, "").strip()
-    if not path:
+    setting = (os.environ if environ is None else environ).get(SWEEP_CONF_ENV, "").strip()
+    if not setting:
         return fields
-    where = f"{SWEEP_CONF_ENV} ({path})"
+    inline = setting.startswith("{")
+    where = SWEEP_CONF_ENV if inline else f"{SWEEP_CONF_ENV} ({setting})"
     try:
-        with open(path, encoding="utf-8") as handle:
-            values = json.load(handle)
+        if inline:
+            values = json.loads(setting)
+        else:
+            with open(setting, encoding="utf-8") as handle:
+                values = json.load(handle)
     except (OSError, ValueError) as exc:
         raise PlatformDefaultsError(f"{where}: cannot read a JSON object: {exc}") from None
     if not isinstance(values, dict):

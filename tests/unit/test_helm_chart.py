@@ -72,8 +72,8 @@ KINDS = (
 )
 
 # ConfigMap keys the operators read by these literal names (each must appear in operators/
-# source); SLIPWAY_DATAFLOW_<FIELD> keys, which operators/beam_stage.py reads by prefix; and
-# the run form's training defaults, which operators/params.py reads (PLATFORM_ENV).
+# source); SLIPWAY_DATAFLOW_<FIELD> keys, which operators/dataflow.py reads by prefix; and
+# the run form's training defaults, which operators/pipeline/form.py reads (PLATFORM_ENV).
 READ_BY_OPERATORS = frozenset(
     {
         "SLIPWAY_HOME",
@@ -83,6 +83,7 @@ READ_BY_OPERATORS = frozenset(
         "SLIPWAY_ALLOWED_DATA_ROOTS",
         "SLIPWAY_PIPELINE_SCHEDULE",
         "SLIPWAY_SWEEP_SCHEDULE",
+        "SLIPWAY_SWEEP_CONF",
         *(
             f"SLIPWAY_ALLOWED_{k}"
             for k in (
@@ -631,6 +632,23 @@ def test_schema_accepts_good_variants() -> None:
     assert data["SLIPWAY_SWEEP_SCHEDULE"] == "30 3 * * 1-5"
     assert data["SLIPWAY_TRAINER_IMAGE"].endswith(f"/slipway-trainer@{digest}")
     assert data["SLIPWAY_TPU_SLICES"] == "4"
+
+
+def test_the_nightly_sweep_is_set_in_the_values_and_checked_at_parse() -> None:
+    """``sweepForm`` reaches the sweep DAG's form as its defaults (what every night runs); a
+    bad field surfaces as the DAG's import error, naming it."""
+    from operators.pipeline.form import PlatformDefaultsError
+    from operators.sweep.form import sweep_form_fields
+
+    assert "SLIPWAY_SWEEP_CONF" not in config_of(render("production"))  # the form's own
+    nightly = {"budgets": [1.0e16, 3.0e16, 1.0e17], "points": 5, "seeds": [0], "backend": "gke"}
+    data = config_of(render("production", sweepForm=nightly))
+    fields = sweep_form_fields({"SLIPWAY_SWEEP_CONF": data["SLIPWAY_SWEEP_CONF"]})
+    assert {name: fields[name]["default"] for name in nightly} == nightly
+    bad = config_of(render("production", sweepForm={"points": 1, "lr": 0.1}))
+    with pytest.raises(PlatformDefaultsError) as err:
+        sweep_form_fields({"SLIPWAY_SWEEP_CONF": bad["SLIPWAY_SWEEP_CONF"]})
+    assert "points: " in str(err.value) and "lr: not a field of the sweep form" in str(err.value)
 
 
 def test_schema_is_valid_draft7_and_matches_the_code() -> None:

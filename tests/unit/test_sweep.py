@@ -392,6 +392,19 @@ def test_the_platform_sets_the_nightly_sweep_and_a_bad_value_is_refused_at_parse
         sweep_form_fields({SWEEP_CONF_ENV: str(tmp_path / "missing.json")})
 
 
+def test_the_nightly_sweep_can_be_the_variables_own_json():
+    """What the Helm chart's ``sweepForm`` sets: the object itself, not a file."""
+    from operators.pipeline.form import PlatformDefaultsError
+    from operators.sweep.form import SWEEP_CONF_ENV
+
+    fields = sweep_form_fields({SWEEP_CONF_ENV: ' {"points": 4, "seeds": [3]} '})
+    assert (fields["points"]["default"], fields["seeds"]["default"]) == (4, [3])
+    with pytest.raises(PlatformDefaultsError, match=r"SLIPWAY_SWEEP_CONF: invalid sweep defaults"):
+        sweep_form_fields({SWEEP_CONF_ENV: '{"points": 1}'})
+    with pytest.raises(PlatformDefaultsError, match=r"SLIPWAY_SWEEP_CONF: cannot read a JSON"):
+        sweep_form_fields({SWEEP_CONF_ENV: '{"points": 4'})
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [(None, "0 2 * * *"), ("", "0 2 * * *"), ("30 3 * * 1-5", "30 3 * * 1-5"), ("none", None)],
