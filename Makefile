@@ -46,12 +46,16 @@ AIRFLOW_ENV = AIRFLOW_HOME=$(abspath $(OUT))/airflow \
 	SLIPWAY_HOME=$(abspath $(OUT)) \
 	SLIPWAY_DATA_DIR=$(abspath $(DATA))
 AIRFLOW_PORT ?= 8080
+# The task-log servers (the UI reads task logs from them) move with the UI's port, so that two
+# `make airflow` on one machine do not collide: Airflow's own 8793 and 8794 beside 8080.
+AIRFLOW_LOG_PORT ?= $(shell echo $$(( $(AIRFLOW_PORT) + 713 )))
+AIRFLOW_TRIGGER_LOG_PORT ?= $(shell echo $$(( $(AIRFLOW_PORT) + 714 )))
 
 demo: install corpora
 	@mkdir -p $(OUT)/airflow
 	@$(AIRFLOW_ENV) $(VENV)/bin/airflow db migrate > $(OUT)/airflow/migrate.log 2>&1 \
 		|| (tail -20 $(OUT)/airflow/migrate.log; exit 1)
-	@echo "airflow dags test slipway_pipeline (log: $(OUT)/demo.log)"
+	@echo "airflow dags test slipway_pipeline (log: $(OUT)/demo.log; follow it with: tail -f $(OUT)/demo.log)"
 	@start=$$(date +%s); \
 	$(AIRFLOW_ENV) $(VENV)/bin/airflow dags test slipway_pipeline > $(OUT)/demo.log 2>&1; \
 	status=$$?; echo "DAG run took $$(( $$(date +%s) - start )) s (exit $$status)"; \
@@ -66,7 +70,7 @@ sweep-demo: install corpora
 	@mkdir -p $(OUT)/airflow
 	@$(AIRFLOW_ENV) $(VENV)/bin/airflow db migrate > $(OUT)/airflow/migrate.log 2>&1 \
 		|| (tail -20 $(OUT)/airflow/migrate.log; exit 1)
-	@echo "airflow dags test slipway_scaling_sweep (log: $(OUT)/sweep-demo.log)"
+	@echo "airflow dags test slipway_scaling_sweep (log: $(OUT)/sweep-demo.log; follow it with: tail -f $(OUT)/sweep-demo.log)"
 	@start=$$(date +%s); \
 	$(AIRFLOW_ENV) $(VENV)/bin/airflow dags test slipway_scaling_sweep > $(OUT)/sweep-demo.log 2>&1; \
 	status=$$?; echo "DAG run took $$(( $$(date +%s) - start )) s (exit $$status)"; \
@@ -88,6 +92,8 @@ airflow: install
 	@# standalone starts its scheduler, API server, ... as `airflow` from PATH: the venv's.
 	$(AIRFLOW_ENV) AIRFLOW__API__HOST=127.0.0.1 AIRFLOW__API__PORT=$(AIRFLOW_PORT) \
 		AIRFLOW__API__BASE_URL=http://localhost:$(AIRFLOW_PORT) \
+		AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT=$(AIRFLOW_LOG_PORT) \
+		AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT=$(AIRFLOW_TRIGGER_LOG_PORT) \
 		PATH="$(abspath $(VENV))/bin:$$PATH" AIRFLOW__CORE__PARALLELISM=$${AIRFLOW__CORE__PARALLELISM:-4} \
 		$(VENV)/bin/airflow standalone
 

@@ -8,7 +8,8 @@
     slipway plan [--conf JSON|@FILE]           dry run: which steps a DAG run with this
                                                conf would run, skip (cache hit) or wait for
     slipway sweep list [--db URL]              the scaling sweep's nights, newest first
-    slipway sweep show RUN_ID|latest           one night: grid, fits, forecasts, checks
+    slipway sweep show RUN_ID|latest [--db URL]
+                                               one night: grid, fits, forecasts, checks
     slipway sweep forecasts [--db URL]         every forecast against its outcome, by night
 
 The database is ``--db``, else :func:`operators.lineage.lineage_url` (the resolver the
@@ -19,13 +20,18 @@ operators, the listener and the run summary use too): ``$SLIPWAY_LINEAGE_DB``, e
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slipway", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="slipway",
+        description="Slipway's command line: the lineage store, dry-run plans of a DAG run, "
+        "and the scaling sweep's nights. See docs/steps_and_lineage.md and docs/scaling.md.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     lineage = commands.add_parser("lineage", help="query the lineage store")
@@ -53,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--db", default=None, help=argparse.SUPPRESS)
     sweep_actions = sweep.add_subparsers(dest="action", required=True)
     sweep_actions.add_parser("list", parents=[db], help="the sweep's nights, newest first")
-    sweep_show = sweep_actions.add_parser("show", help="one night: grid, fits, forecasts")
+    sweep_show = sweep_actions.add_parser(
+        "show", parents=[db], help="one night: grid, fits, forecasts"
+    )
     sweep_show.add_argument("run_id", help="a night's run id, or latest")
     sweep_actions.add_parser(
         "forecasts", parents=[db], help="every forecast against its outcome, oldest first"
@@ -79,8 +87,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     text = args.conf
     if text.startswith("@"):
-        with open(text[1:], encoding="utf-8") as handle:
-            text = handle.read()
+        try:
+            with open(text[1:], encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            print(f"slipway: --conf {args.conf}: cannot read it: {exc.strerror}", file=sys.stderr)
+            return 2
     try:
         conf = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -121,6 +133,8 @@ def _sweep(args: argparse.Namespace) -> int:
             if args.run_id is None:
                 return 1
         record, checks = report.read_night(args.run_id)
+        if record is None and not _night_recorded(args):
+            return 1
         print(report.render_night(args.run_id, record, checks))
         if record is None:
             return 1
@@ -137,6 +151,25 @@ def _sweep(args: argparse.Namespace) -> int:
         runs = store.runs()
     print(report.render_nights(runs) if args.action == "list" else report.render_forecasts(runs))
     return 0
+
+
+def _night_recorded(args: argparse.Namespace) -> bool:
+    """Whether lineage has the sweep night ``args.run_id``; if not, say so (a night without a
+    fit yet is a night; a mistyped id is none)."""
+    from operators.sweep.report import SWEEP_DAG
+
+    store = _open_store(args)
+    if store is None:
+        return False
+    with store:
+        known = any(r.run_id == args.run_id and r.pipeline == SWEEP_DAG for r in store.runs())
+    if not known:
+        print(
+            f"slipway: no {SWEEP_DAG} night {args.run_id!r} recorded "
+            "(`slipway sweep list` shows the nights)",
+            file=sys.stderr,
+        )
+    return known
 
 
 def _latest_night(args: argparse.Namespace) -> str | None:
@@ -177,13 +210,14 @@ def _lineage(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "lineage":
-        return _lineage(args)
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "sweep":
-        return _sweep(args)
-    raise AssertionError(args.command)  # argparse refuses unknown commands first
+    commands = {"lineage": _lineage, "plan": _plan, "sweep": _sweep}
+    try:
+        return commands[args.command](args)
+    except BrokenPipeError:
+        # The reader stopped early (`slipway lineage trace ... | head`): no traceback, and
+        # stdout pointed at devnull so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

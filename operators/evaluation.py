@@ -24,7 +24,13 @@ from operators.launching import (
     run_on_one_slice,
     write_json,
 )
-from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
+from operators.step_lineage import (
+    ArtifactRef,
+    StepLineageMixin,
+    resolve_uri,
+    tokenizer_input,
+    trained_model_input,
+)
 from operators.steps import Step, StepResult, StepSpec, join, output_path
 from trainer.rundir import last_checkpoint
 from trainer.rundir import read_json as _read_json
@@ -55,14 +61,13 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
         return inputs, [output_path(root, step)]
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.lineage import ArtifactType
-        from operators.pipeline.graph import TOKEN_STORE, TOKENIZER
+        from operators.pipeline.graph import TOKEN_STORE
 
         params = self.run_params(context)
         step = self.evaluate_step(context)
         inputs = [
-            ArtifactRef(step.config["train"], ArtifactType.MODEL, role="trained_run"),
-            ArtifactRef(step.config["tokenizer"], TOKENIZER, role="tokenizer"),
+            trained_model_input(step.config["train"], self.steps_root()),
+            tokenizer_input(step.config["tokenizer"]),
             *(
                 ArtifactRef(v, TOKEN_STORE, role=f"eval_data:{k}")
                 for k, v in step.config["stores"].items()

@@ -22,7 +22,13 @@ from operators.launching import (
     TrainingFailed,
     run_on_one_slice,
 )
-from operators.step_lineage import ArtifactRef, StepLineageMixin, resolve_uri
+from operators.step_lineage import (
+    ArtifactRef,
+    StepLineageMixin,
+    resolve_uri,
+    tokenizer_input,
+    trained_model_input,
+)
 from operators.steps import Step, StepResult, StepSpec, join, output_path
 from trainer.rundir import last_checkpoint
 from trainer.rundir import read_json as _read_json
@@ -57,8 +63,6 @@ class ExportOperator(StepLineageMixin, BaseOperator):
         return inputs, [join(output_path(root, step), HF_DIR)]
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.lineage import ArtifactType
-        from operators.pipeline.graph import TOKENIZER
 
         params = self.run_params(context)
         step = self.export_step(context)
@@ -67,8 +71,8 @@ class ExportOperator(StepLineageMixin, BaseOperator):
             step,
             lambda spec: self._export(spec, params),
             inputs=[
-                ArtifactRef(step.config["train"], ArtifactType.MODEL, role="trained_run"),
-                ArtifactRef(step.config["tokenizer"], TOKENIZER, role="tokenizer"),
+                trained_model_input(step.config["train"], self.steps_root()),
+                tokenizer_input(step.config["tokenizer"]),
             ],
             outputs=self._outputs,
         )

@@ -26,7 +26,13 @@ from typing import Any
 from airflow.sdk import AssetAlias, BaseOperator
 
 from operators.promotion import MODELS_ALIAS
-from operators.step_lineage import ArtifactRef, StepLineageMixin, input_fields, resolve_uri
+from operators.step_lineage import (
+    ArtifactRef,
+    StepLineageMixin,
+    input_fields,
+    resolve_uri,
+    trained_model_input,
+)
 
 
 class GateFailed(RuntimeError):
@@ -78,7 +84,7 @@ class GateOperator(StepLineageMixin, BaseOperator):
         from operators.steps import join
 
         step = self.step_graph(context).evaluate
-        refs = [ArtifactRef(step.config["train"], ArtifactType.MODEL, role="trained_run")]
+        refs = [trained_model_input(step.config["train"], self.steps_root())]
         output = evaluation.get("output")
         if output:
             # The evaluate step's result files, as it records them (versioned by its step).
@@ -163,7 +169,8 @@ class GateOperator(StepLineageMixin, BaseOperator):
                     properties={"gate": decision.to_dict(), "promoted": None},
                 )
                 raise AirflowFailException(message)
-            model = resolve_uri(trained[0].uri, root)
+            # the trained run's folder (its checkpoints, metrics, config), not one checkpoint
+            model = resolve_uri(self.step_graph(context).evaluate.config["train"], root)
             promoted = p.record_promotion(
                 store,
                 execution,

@@ -98,6 +98,31 @@ def resolve_uri(uri: Any, root: str) -> str:
     return str(uri)
 
 
+def trained_model_input(train: OutputRef, root: str) -> ArtifactRef:
+    """The trained model as a step that reads it records it (evaluate, export, gate): the
+    train step's newest checkpoint, the very artifact train recorded as its output, so that a
+    trace goes on from the model through training to the corpora. While train has no
+    checkpoint (the reader will fail on that), its output folder."""
+    from operators.lineage import ArtifactType
+    from trainer.rundir import CHECKPOINTS, last_checkpoint, step_name
+
+    ckpt = last_checkpoint(resolve_uri(train, root))
+    if ckpt is None:
+        return ArtifactRef(train, ArtifactType.MODEL, role="trained_run")
+    subpath = "/".join(p for p in (train.subpath, CHECKPOINTS, step_name(ckpt[0])) if p)
+    return ArtifactRef(OutputRef(train.step, subpath), ArtifactType.CHECKPOINT, role="trained_run")
+
+
+def tokenizer_input(model: OutputRef) -> ArtifactRef:
+    """The tokenizer as a step that reads its model file records it: the train_tokenizer
+    stage's output folder (``model``'s parent), the artifact that stage recorded, so that a
+    trace links the two."""
+    from operators.pipeline.graph import TOKENIZER
+
+    folder = model.subpath.rsplit("/", 1)[0] if "/" in model.subpath else ""
+    return ArtifactRef(OutputRef(model.step, folder), TOKENIZER, role="tokenizer")
+
+
 def input_fields(ref: ArtifactRef) -> dict[str, Any]:
     """``ref.fields`` plus the version of the content the step reads, when it is known.
 

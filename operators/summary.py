@@ -45,7 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"no {PIPELINE} run in {redacted(store.url)}", file=sys.stderr)
                 return 1
             run_id = runs[0].run_id
-        graph = store.run_graph(run_id)
+        try:
+            graph = store.run_graph(run_id)
+        except NotFound as exc:
+            print(f"slipway: {exc.args[0]}", file=sys.stderr)
+            return 1
         print(render_run(graph, lineage=store.display_url, outputs_root=storage_root()))
         line = gate_line(gate_outcome([node.execution for node in graph.steps]))
         if line is not None:

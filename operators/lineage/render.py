@@ -227,13 +227,13 @@ def render_run(
                 train = (name, ex.state, c, a.uri)
                 outputs.append((name, a.uri))
             if a.type == "eval_result":
-                kind, name = evaluation_output(out)
+                kind, label = evaluation_output(out)
                 if kind == "benchmark":
-                    benchmarks.append((name, c))
+                    benchmarks.append((label, c))
                 elif kind == "samples":
                     samples = dict(a.properties or {})
                 else:
-                    evals.append((name, c))
+                    evals.append((label, c))
             if a.type == "hf_export":
                 outputs.append((f"{name} (Hugging Face)", a.uri))
         if not counted:  # a step whose outputs carry no record counts: its state alone
@@ -292,9 +292,11 @@ def _linked(link: Linked) -> str:
 
 
 def render_trace(root: TraceNode) -> str:
-    """The artifact, then producers and their inputs, down to the raw inputs."""
+    """The artifact, then producers and their inputs, down to the raw inputs. An artifact
+    reached again along another path (a token store read by train and evaluate) has its
+    producers shown once, where it first appears, and ``(traced above)`` after that."""
     lines = [_artifact(root.artifact)]
-    lines.extend(_trace_lines(root, ""))
+    lines.extend(_trace_lines(root, "", set()))
     raw = root.raw_inputs()
     lines.append("")
     lines.append(f"raw inputs ({len(raw)}):")
@@ -302,9 +304,10 @@ def render_trace(root: TraceNode) -> str:
     return "\n".join(lines)
 
 
-def _trace_lines(node: TraceNode, prefix: str) -> Iterable[str]:
+def _trace_lines(node: TraceNode, prefix: str, shown: set[int]) -> Iterable[str]:
     if node.producer is None:
         return
+    shown.add(id(node))
     producer = node.producer
     run = f", run {producer.run_id}" if producer.run_id else ""
     code = f", code {producer.code_version[:12]}" if producer.code_version else ""
@@ -312,6 +315,12 @@ def _trace_lines(node: TraceNode, prefix: str) -> Iterable[str]:
     inner = prefix + _GAP
     for i, child in enumerate(node.inputs):
         last = i == len(node.inputs) - 1
-        raw = "  [raw input]" if child.producer is None else ""
-        yield f"{inner}{_LAST if last else _TEE}{_artifact(child.artifact)}{raw}"
-        yield from _trace_lines(child, inner + (_GAP if last else _PIPE))
+        if child.producer is None:
+            note = "  [raw input]"
+        elif id(child) in shown:
+            note = "  (traced above)"
+        else:
+            note = ""
+        yield f"{inner}{_LAST if last else _TEE}{_artifact(child.artifact)}{note}"
+        if not note:
+            yield from _trace_lines(child, inner + (_GAP if last else _PIPE), shown)

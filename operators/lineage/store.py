@@ -228,13 +228,20 @@ class TraceNode:
         """Leaves: artifacts that no recorded execution produced from recorded inputs: raw
         data (the ``fetch`` task records the corpora it found as its outputs, from nothing
         recorded), external models."""
-        if self.producer is None or not self.inputs:
-            return [self.artifact]
-        seen: dict[int, ArtifactRecord] = {}
-        for node in self.inputs:
-            for leaf in node.raw_inputs():
-                seen.setdefault(leaf.id, leaf)
-        return list(seen.values())
+        leaves: dict[int, ArtifactRecord] = {}
+        visited: set[int] = set()
+
+        def visit(node: TraceNode) -> None:
+            if id(node) in visited:  # shared: a node reached along several paths
+                return
+            visited.add(id(node))
+            if node.producer is None or not node.inputs:
+                leaves.setdefault(node.artifact.id, node.artifact)
+            for child in node.inputs if node.producer is not None else ():
+                visit(child)
+
+        visit(self)
+        return list(leaves.values())
 
 
 def _artifact_record(row: Artifact) -> ArtifactRecord:
@@ -696,11 +703,20 @@ class LineageStore:
             row = _find_artifact(session, uri, version)
             if row is None:
                 raise NotFound(_no_artifact(uri, version))
-            return self._trace(session, row, None, frozenset())
+            return self._trace(session, row, None, frozenset(), {})
 
     def _trace(
-        self, session: Session, artifact: Artifact, read_event: int | None, path: frozenset[int]
+        self,
+        session: Session,
+        artifact: Artifact,
+        read_event: int | None,
+        path: frozenset[int],
+        seen: dict[tuple[int, int], TraceNode],
     ) -> TraceNode:
+        """``seen``: the nodes traced so far by (artifact, producer). An artifact reached along
+        several paths (a token store read by train and evaluate, every step behind a
+        promotion chain) is traced once and shared: the trace is a graph, walked in time
+        linear in its size, not once per path."""
         record = _artifact_record(artifact)
         if artifact.id in path:  # a cycle in recorded events: stop rather than recurse forever
             return TraceNode(record, None, ())
@@ -718,6 +734,8 @@ class LineageStore:
             producers,
             key=lambda p: (_PRODUCER_PREFERENCE[ExecutionState(p[0].state)], -p[1]),
         )
+        if (artifact.id, producer.id) in seen:
+            return seen[artifact.id, producer.id]
         inputs = session.execute(
             select(Artifact, EventRow.id)
             .join(EventRow, EventRow.artifact_id == Artifact.id)
@@ -725,11 +743,13 @@ class LineageStore:
             .order_by(EventRow.id)
         ).all()
         nested = path | {artifact.id}
-        return TraceNode(
+        node = TraceNode(
             record,
             _execution_record(producer),
-            tuple(self._trace(session, a, event_id, nested) for a, event_id in inputs),
+            tuple(self._trace(session, a, event_id, nested, seen) for a, event_id in inputs),
         )
+        seen[artifact.id, producer.id] = node
+        return node
 
     # -- helpers --------------------------------------------------------------------------------
 

@@ -205,8 +205,13 @@ def lineage_svg(root: TraceNode) -> str:
     nodes: dict[str, tuple[int, str, str]] = {}  # key -> (depth, label, css class)
     edges: set[tuple[str, str]] = set()
 
+    deepest: dict[int, int] = {}  # a shared node's subtree is laid out again only deeper
+
     def visit(node: TraceNode, depth: int) -> str:
         key = f"a{node.artifact.id}"
+        if deepest.get(id(node), -1) >= depth:
+            return key
+        deepest[id(node)] = depth
         previous = nodes.get(key)
         if previous is None or previous[0] < depth:
             kind = "raw" if node.producer is None or not node.inputs else "artifact"

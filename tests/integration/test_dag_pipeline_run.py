@@ -147,6 +147,8 @@ def _first_run_completes(env):
         text=True,
     )
     assert f"report: {report.uri}" in printed.stdout, printed.stdout[-3000:]
+    rows = [line.split()[:2] for line in printed.stdout.splitlines()]
+    assert ["evaluate", "COMPLETE"] in rows and ["export", "COMPLETE"] in rows, printed.stdout
     ckpt = [o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint"]
     assert ckpt and ckpt[0].counts["loss_end"] is not None
     evals = {o.role: o.artifact.counts for o in nodes["evaluate"].outputs}
@@ -165,6 +167,19 @@ def _first_run_completes(env):
     (hf,) = [o.artifact for o in nodes["export"].outputs]
     assert hf.type == "hf_export" and (Path(hf.uri) / "model.safetensors").is_file()
     assert promoted.properties["export"] == hf.uri
+    # Lineage links the export through the checkpoint and the tokenizer that train and
+    # train_tokenizer recorded, on through training, down to the corpora's raw files.
+    with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
+        for uri in (hf.uri, promoted.uri):
+            traced = store.trace(uri)
+            raw = {a.uri for a in traced.raw_inputs()}
+            assert raw and all(u.startswith(env["_DATA"]) for u in raw), (uri, sorted(raw))
+            assert all(a.content_hash for a in traced.raw_inputs()), uri
+    ckpt_uri = ckpt[0].uri
+    export_inputs = {link.role: link.artifact.uri for link in nodes["export"].inputs}
+    assert export_inputs["trained_run"] == ckpt_uri
+    (tokenizer,) = [o.artifact.uri for o in nodes["train_tokenizer"].outputs]
+    assert export_inputs["tokenizer"] == tokenizer
     assert all(c["loss"] > 0 for c in stores.values())
     # The gate judged what evaluate recorded: every task's acc is in the promotion's metrics.
     tasks = {r.removeprefix("benchmark-") for r in evals if r.startswith("benchmark-")}

@@ -45,3 +45,27 @@ def test_bad_json_is_refused(tmp_path):
     result = _plan("{steps", tmp_path)
     assert result.returncode == 2
     assert "not valid JSON" in result.stderr
+
+
+def test_a_conf_file_that_cannot_be_read_is_refused_naming_it(tmp_path):
+    missing = tmp_path / "nightly.json"
+    result = _plan(f"@{missing}", tmp_path)
+    assert result.returncode == 2
+    assert f"--conf @{missing}: cannot read it: No such file or directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """`slipway lineage trace URI | head`: the pipe closes under the command's output."""
+    code = (
+        "import sys\n"
+        "from operators import cli\n"
+        "def stopped(args):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "cli._lineage = stopped\n"
+        "sys.exit(cli.main(['lineage', 'runs']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (result.returncode, result.stderr) == (1, "")

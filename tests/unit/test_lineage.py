@@ -222,6 +222,41 @@ def test_trace_prefers_the_complete_producer_over_cache_hits(url):
     assert {a.uri for a in node.raw_inputs()} == {"gs://raw/brown", "gs://raw/spam"}
 
 
+def test_a_shared_ancestor_is_traced_and_printed_once(url):
+    """A ladder of diamonds: each level's artifact is read by two steps whose outputs the next
+    level reads, so 2**12 paths lead from the top to the raw input. The trace is a graph of
+    the 37 recorded artifacts, each producer printed once, not once per path."""
+    from operators.lineage.render import render_trace
+
+    levels = 12
+    with LineageStore(url) as store:
+        store.record_artifact("gs://raw/corpus", "dataset", content_hash="c0")
+        below = "gs://raw/corpus"
+        for level in range(levels):
+            sides = []
+            for side in ("left", "right"):
+                ex = store.start_execution(f"{side}-{level}", run_id="r", pipeline="p")
+                store.link(ex, below, EventType.INPUT)
+                sides.append(f"gs://b/{side}-{level}")
+                store.record_output(ex, sides[-1], "dataset")
+                store.finish_execution(ex)
+            ex = store.start_execution(f"join-{level}", run_id="r", pipeline="p")
+            for side in sides:
+                store.link(ex, side, EventType.INPUT)
+            below = f"gs://b/join-{level}"
+            store.record_output(ex, below, "dataset")
+            store.finish_execution(ex)
+        root = store.trace(below)
+    left, right = root.inputs
+    assert left.inputs[0] is right.inputs[0]  # the level below: one node, shared
+    assert [a.uri for a in root.raw_inputs()] == ["gs://raw/corpus"]
+    text = render_trace(root)
+    assert text.count("produced by") == 3 * levels  # every execution once
+    # each level's second way down, but the lowest, whose shared input is the raw corpus
+    assert text.count("(traced above)") == levels - 1
+    assert text.count("[raw input]") == 2  # the corpus, under both sides of level 0
+
+
 def _writer(url: str, worker: int) -> None:
     store = LineageStore(url)
     for i in range(15):
@@ -365,6 +400,11 @@ def test_cli_errors_and_default_db(tmp_path, monkeypatch, capsys):
     assert cli.main(["lineage", "trace", "gs://nope"]) == 1
     with pytest.raises(SystemExit):
         cli.main(["lineage"])
+    from operators import summary
+
+    capsys.readouterr()
+    assert summary.main(["nope"]) == 1  # `python -m operators.summary RUN_ID`
+    assert capsys.readouterr().err.strip() == "slipway: no run 'nope'"
 
 
 def test_describe_documents_reads_the_stage_manifest(tmp_path):

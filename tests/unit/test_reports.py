@@ -112,6 +112,27 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert "traceback" in rows["train"][-1]
 
 
+def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
+    """Clearing a run whose values validate refused checks the same values again: the page
+    says to trigger a new run, not to clear and rerun."""
+    error = "RunConfigError: step: not a field of slipway_pipeline's form"
+    ex = store.start_execution("validate", run_id="typo", pipeline="slipway_pipeline")
+    store.finish_execution(ex, "FAILED", error=error)
+    summary = {
+        "run_id": "typo",
+        "state": "FAILED",
+        "failed": [{"step": "validate", "error": error}],
+        "resume": {"skipped_on_rerun": [], "rerun": ["train-44444444"]},
+    }
+    ex = store.start_execution("record", run_id="typo", pipeline="slipway_pipeline")
+    store.record_output(ex, "/runs/typo/summary.json", "run_summary", properties=summary)
+    store.finish_execution(ex)
+    text = " ".join(" ".join(parse(pages.run_page(store, "typo", "/slipway")).text).split())
+    assert "Failed at validate" in text and "step: not a field" in text
+    assert "trigger a new run with corrected values" in text
+    assert "Clear the failed task" not in text
+
+
 def test_the_runs_list_filters(store):
     runs = store.runs()
     every = parse(pages.runs_page(runs, "/slipway"))

@@ -365,6 +365,10 @@ def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(
         pass
     assert cli.main(["sweep", "show", "latest"]) == 0
     assert "sweep night-1" in capsys.readouterr().out
+    # a night lineage does not have is no night, not one without a fit yet
+    assert cli.main(["sweep", "show", "night-9", "--db", LineageStore().url]) == 1
+    err = capsys.readouterr().err
+    assert f"no {SWEEP_DAG} night 'night-9' recorded" in err and "no fit" not in err
 
 
 def test_the_platform_sets_the_nightly_sweep_and_a_bad_value_is_refused_at_parse(tmp_path):
