@@ -51,17 +51,13 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         """Airflow turns a trigger's conf keys that the DAG's form does not declare into
         params without a schema: a pipeline field the sweep's form leaves out, or a typo,
         would pass every check unchecked. Refuse them, naming each."""
-        from operators.pipeline.form import RunConfigError
+        from operators.pipeline.form import RunConfigError, unknown_fields
 
         if not self.has_dag():
             return
-        declared = set(self.dag.params)
-        undeclared = sorted(k for k in params if k not in declared)
+        undeclared = unknown_fields(params, self.dag.params, f"{self.dag_id}'s form")
         if undeclared:
-            raise RunConfigError(
-                "invalid run configuration:\n  "
-                + "\n  ".join(f"{k}: not a field of {self.dag_id}'s form" for k in undeclared)
-            )
+            raise RunConfigError("invalid run configuration:\n  " + "\n  ".join(undeclared))
 
     def check(self, params: dict[str, Any]) -> None:
         """Raise ``RunConfigError`` listing every problem of the form (a DAG with more

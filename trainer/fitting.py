@@ -49,7 +49,7 @@ __all__ = [
 HUBER_DELTA = 1e-3  # Hoffmann et al.'s delta for the Huber loss on log L
 MIN_POINTS_PER_BUDGET = 3  # a parabola needs three
 # A budget's parabola is fitted to the cells within this factor in N of its lowest cell (and
-# at least that cell's neighbours): an IsoFLOP curve is a parabola in log N near its minimum
+# at least the sizes on either side of it): an IsoFLOP curve is a parabola in log N near its minimum
 # only, and a wide grid's far side (large models on a few hundred steps) rises much faster.
 PARABOLA_SPAN = 4.0
 MIN_BUDGETS = 2  # a power law across budgets needs two (three to say anything)
@@ -202,23 +202,27 @@ def _parabola_minimum(
 
 def _around_minimum(group: Sequence[Cell]) -> list[Cell] | str:
     """The cells a budget's parabolas are fitted to: those within :data:`PARABOLA_SPAN` in N
-    of the lowest cell, and at least its two neighbours; or why there is no minimum to fit
-    (the lowest cell is the smallest or the largest size: the grid does not bracket it)."""
+    of the lowest cell, and at least the sizes on either side of it; or why there is no
+    minimum to fit (the lowest cell is the smallest or the largest size: the grid does not
+    bracket it).
+
+    By size, not by cell: a bootstrap resample repeats cells, and a window of three cells of
+    two sizes would hand the parabola an undetermined fit.
+    """
     ordered = sorted(group, key=lambda c: c.params)
-    low = min(range(len(ordered)), key=lambda i: ordered[i].metric)
-    if low in (0, len(ordered) - 1):
-        side = "smallest" if low == 0 else "largest"
+    sizes = sorted({c.params for c in ordered})
+    lowest = min(ordered, key=lambda c: c.metric)
+    at = sizes.index(lowest.params)
+    if at in (0, len(sizes) - 1):
+        side = "smallest" if at == 0 else "largest"
         return (
             f"the metric has no minimum inside the sampled sizes (its lowest cell, "
-            f"{ordered[low].key}, is the {side}): widen the grid"
+            f"{lowest.key}, is the {side}): widen the grid"
         )
     span = math.log(PARABOLA_SPAN)
-    centre = math.log(ordered[low].params)
-    return [
-        c
-        for i, c in enumerate(ordered)
-        if abs(i - low) <= 1 or abs(math.log(c.params) - centre) <= span
-    ]
+    centre = math.log(lowest.params)
+    beside = set(sizes[at - 1 : at + 2])
+    return [c for c in ordered if c.params in beside or abs(math.log(c.params) - centre) <= span]
 
 
 def fit_isoflop(cells: Iterable[Cell]) -> IsoFlopFit:

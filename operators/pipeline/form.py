@@ -25,7 +25,7 @@ import copy
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -428,14 +428,28 @@ class RunConfigError(ValueError):
     """A run form whose fields are each valid but do not fit together."""
 
 
+def unknown_fields(given: Iterable[str], known: Iterable[str], form: str) -> list[str]:
+    """``name: not a field of <form>`` for each given name the form lacks, sorted, with the
+    closest field a typo may have meant (``step`` -> ``steps``)."""
+    import difflib
+
+    known = sorted(known)
+    problems = []
+    for name in sorted(set(given) - set(known)):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(f"{name}: not a field of {form}{hint}")
+    return problems
+
+
 def form_values(conf: Mapping[str, Any]) -> dict[str, Any]:
     """The params a trigger with ``conf`` gives a run: the form's defaults overlaid by
     ``conf``, each value checked by its field's JSON schema as Airflow checks it, then the
     checks across fields (:func:`check_run_config`). Errors name the field."""
     form = form_fields()
-    unknown = sorted(set(conf) - set(form))
+    unknown = unknown_fields(conf, form, "slipway_pipeline's form")
     if unknown:
-        raise RunConfigError(f"unknown form fields: {', '.join(unknown)}")
+        raise RunConfigError("invalid run configuration:\n  " + "\n  ".join(unknown))
     params = {name: copy.deepcopy(spec["default"]) for name, spec in form.items()}
     params.update(conf)
     for name, spec in form.items():

@@ -22,6 +22,7 @@ from operators.pipeline.form import (
     field,
     form_fields,
     schema_problem,
+    unknown_fields,
 )
 
 # The pipeline's reference-run fields: the recipe decides these for every cell.
@@ -186,11 +187,11 @@ def _with_platform_sweep(
         raise PlatformDefaultsError(f"{where}: cannot read a JSON object: {exc}") from None
     if not isinstance(values, dict):
         raise PlatformDefaultsError(f"{where}: must be a JSON object of form fields")
-    problems = []
+    problems = unknown_fields(values, fields, "the sweep form")
     for name, value in values.items():
         if name not in fields:
-            problems.append(f"{name}: not a field of the sweep form")
-        elif (reason := schema_problem(fields[name], value)) is not None:
+            continue
+        if (reason := schema_problem(fields[name], value)) is not None:
             problems.append(f"{name}: {reason}")
         else:
             fields[name] = {**fields[name], "default": value}

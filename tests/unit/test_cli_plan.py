@@ -69,3 +69,10 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert (result.returncode, result.stderr) == (1, "")
+
+
+def test_a_misspelled_field_is_refused_with_the_one_meant(tmp_path):
+    result = _plan('{"step": 20, "xyzzy": 1}', tmp_path)
+    assert result.returncode == 2
+    assert "step: not a field of slipway_pipeline's form (did you mean 'steps'?)" in result.stderr
+    assert "xyzzy: not a field of slipway_pipeline's form\n" in result.stderr + "\n"

@@ -128,6 +128,31 @@ def test_a_grid_that_misses_the_optimum_says_widen_it():
     assert "is the smallest" in excluded.reason and "widen the grid" in excluded.reason
 
 
+def test_a_resample_that_repeats_cells_fits_by_size_or_says_why_not():
+    """Bootstrap resamples repeat cells: a budget whose resample holds its lowest size
+    three times is fitted by size (three distinct sizes around the minimum), and one whose
+    lowest cell is now its largest distinct size is excluded by name, never handed to a
+    parabola through two sizes (numpy's RankWarning, an arbitrary curve)."""
+    import warnings
+
+    by_budget = {}
+    for c in sweep(noise=0):
+        by_budget.setdefault(c.compute, []).append(c)
+    cells = [c for b, group in by_budget.items() if b != 1e19 for c in group]
+    group = sorted(by_budget[1e19], key=lambda c: c.params)
+    middle = group[3]  # the lowest of the seven sizes
+    repeated = [group[2], middle, middle, middle, group[4]]
+    bent = [group[0], group[1], group[2], group[2], group[2]]  # no size past the lowest one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rank-deficient parabola fails the test
+        fit = fit_isoflop(cells + repeated)
+        assert not fit.excluded and len(fit.optima) == len(BUDGETS)
+        unbracketed = fit_isoflop(cells + bent)
+    (excluded,) = unbracketed.excluded
+    assert excluded.cell == "budget 1e+19"
+    assert "is the largest" in excluded.reason and "widen the grid" in excluded.reason
+
+
 def test_a_steep_far_side_does_not_bend_the_parabola():
     """A wide grid's largest models, trained on few tokens, sit far above the parabola of the
     curve's minimum: the fit goes through the cells near the minimum only."""
