@@ -5,26 +5,35 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock requirements-parity.txt 2>/dev/null | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | sha1sum | cut -c1-12)
+PARITY_STAMP := $(VENV)/.parity-$(shell cat pyproject.toml requirements.lock requirements-parity.txt 2>/dev/null | sha1sum | cut -c1-12)
 DATA ?= data
 OUT ?= out
 
-.PHONY: install lock corpora browser demo demo-data sweep-demo airflow test lint format bench bench-pytorch torch-venv datatrove-venv clean
+.PHONY: install install-parity lock corpora browser demo demo-data sweep-demo airflow test lint format bench bench-pytorch torch-venv datatrove-venv clean
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --upgrade pip uv
-	$(UV) pip sync --python $(PY) requirements.lock
-	$(UV) pip install --python $(PY) --no-deps -e .
-	@# The parity tests' references (torch, transformers, lm-eval; requirements-parity.txt):
-	@# pip, constrained by the lock so that nothing the lock pins moves.
-	$(PY) -m pip install --quiet -c requirements.lock -r requirements-parity.txt
+	@echo "installing requirements.lock into $(VENV) (uv pip sync)"
+	$(UV) pip sync --quiet --python $(PY) requirements.lock
+	$(UV) pip install --quiet --python $(PY) --no-deps -e .
 	@# Byte-compile once: with PYTHONDONTWRITEBYTECODE set, every Beam worker process would
 	@# otherwise recompile apache_beam from source (5-9 s each).
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
-	@rm -f $(VENV)/.installed-* && touch $@
+	@# the sync removed what the lock does not pin, the parity references among them
+	@rm -f $(VENV)/.installed-* $(VENV)/.parity-* && touch $@
 
 install: $(STAMP)
+
+# The parity tests' references (torch, transformers, lm-eval; requirements-parity.txt), for
+# `make test` only: pip, constrained by the lock so that nothing the lock pins moves.
+$(PARITY_STAMP): $(STAMP)
+	@echo "installing requirements-parity.txt into $(VENV) (the parity tests' references)"
+	$(PY) -m pip install --quiet -c requirements.lock -r requirements-parity.txt
+	@rm -f $(VENV)/.parity-* && touch $@
+
+install-parity: $(PARITY_STAMP)
 
 # Pin every dependency so a fresh machine installs exactly what CI tested. Run `make lock`
 # after changing dependencies in pyproject.toml (never implicitly: git checkouts give files
@@ -107,7 +116,7 @@ browser:
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null; }
 	@test -x $(CHROMIUM) || { echo "no Chromium at $(CHROMIUM)"; exit 1; }
 
-test: install browser
+test: install install-parity browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import sentencepiece as spm
-import torch  # requirements-parity.txt, installed by make install: a missing one fails here
+import torch  # requirements-parity.txt, installed by make install-parity (make test): a missing one fails here
 import transformers
 
 LOGITS_TOLERANCE = 1e-4  # max abs difference, float32 JAX against float32 PyTorch

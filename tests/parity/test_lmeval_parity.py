@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-import lm_eval  # a dev dependency (requirements-parity.txt, installed by make install)
+import lm_eval  # a dev dependency (requirements-parity.txt, installed by make install-parity)
 import pytest
 
 from trainer.evaluate import main as eval_main
