@@ -1,7 +1,8 @@
 """``slipway``: the command line.
 
     slipway lineage runs  [--db URL]           list recorded runs, newest first
-    slipway lineage show  RUN_ID [--db URL]    a run as a tree of steps and artifacts
+    slipway lineage show  RUN_ID|latest [--db URL]
+                                               a run as a tree of steps and artifacts
     slipway lineage trace URI [--version V] [--db URL]
                                                an artifact (its latest version, or V)
                                                back to its raw inputs
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     actions = lineage.add_subparsers(dest="action", required=True)
     actions.add_parser("runs", parents=[db], help="list runs, newest first")
     show = actions.add_parser("show", parents=[db], help="print a run as a tree")
-    show.add_argument("run_id")
+    show.add_argument("run_id", help="a run id, its run folder's name, or latest")
     trace = actions.add_parser("trace", parents=[db], help="trace an artifact to raw inputs")
     trace.add_argument("uri")
     trace.add_argument(
@@ -187,6 +188,21 @@ def _latest_night(args: argparse.Namespace) -> str | None:
     return nights[0].run_id
 
 
+def _run_id(store: Any, given: str) -> str:
+    """``latest`` (the newest run recorded), a run id, or a run folder's name (``runs/<name>``
+    spells ``:`` as ``_``), as the one run id lineage has for it."""
+    from operators.settings import run_folder_name
+
+    if given == "latest":
+        runs = store.runs()
+        return runs[0].run_id if runs else given
+    recorded = store.run_ids()
+    if given in recorded:
+        return given
+    named = [r for r in recorded if run_folder_name(r) == given]
+    return named[0] if len(named) == 1 else given
+
+
 def _lineage(args: argparse.Namespace) -> int:
     from operators.lineage import render
     from operators.lineage.store import NotFound
@@ -199,7 +215,8 @@ def _lineage(args: argparse.Namespace) -> int:
             if args.action == "runs":
                 print(render.render_runs(store.runs()))
             elif args.action == "show":
-                print(render.render_run(store.run_graph(args.run_id), artifacts=True))
+                run_id = _run_id(store, args.run_id)
+                print(render.render_run(store.run_graph(run_id), artifacts=True))
             else:
                 print(render.render_trace(store.trace(args.uri, args.version)))
         except NotFound as exc:

@@ -64,7 +64,10 @@ def _execution(record: ExecutionRecord) -> str:
     if props.get("resumed_from_step") is not None:
         line += f" (resumed from step {props['resumed_from_step']})"
     if record.error:
-        line += f": {record.error}"
+        # one line in a tree: a multi-line error (validate's list of problems) joined by " | "
+        line += ": " + " | ".join(
+            part.strip() for part in record.error.splitlines() if part.strip()
+        )
         if props.get("last_checkpoint_step") is not None:
             line += f" [last checkpoint: step {props['last_checkpoint_step']}]"
     return line
@@ -262,9 +265,13 @@ def render_run(
     if samples:
         lines += ["", *render_samples(samples)]
     if failures:
-        lines += ["", "failures:", *(f"  {f}" for f in failures)]
-    lines += ["", f"outputs{f' under {outputs_root}' if outputs_root else ''}:"]
-    lines += [f"  {n:<32} {u}" for n, u in outputs]
+        lines += ["", "failures:"]
+        for failure in failures:  # a multi-line error keeps its lines, indented under it
+            first, *rest = failure.splitlines() or [""]
+            lines += [f"  {first}", *(f"    {r}" for r in rest)]
+    if outputs:
+        lines += ["", f"outputs{f' under {outputs_root}' if outputs_root else ''}:"]
+        lines += [f"  {n:<32} {u}" for n, u in outputs]
     if artifacts:
         lines += ["", _artifact_tree(graph)]
     return "\n".join(lines)

@@ -63,8 +63,16 @@ def plan(steps: Iterable[Step], root: str, *, now: float | None = None) -> list[
 
 
 def format_plan(entries: Sequence[PlanEntry]) -> str:
+    """One line per step (action, key, why), then the totals: ``N steps: a to run, b cache
+    hits, c waiting``."""
     width = max((len(e.step.key) for e in entries), default=0)
-    return "\n".join(f"{e.action:<4}  {e.step.key:<{width}}  {e.reason}" for e in entries)
+    lines = [f"{e.action:<4}  {e.step.key:<{width}}  {e.reason}" for e in entries]
+    counts = {a: sum(e.action is a for e in entries) for a in Action}
+    lines.append(
+        f"{len(entries)} steps: {counts[Action.RUN]} to run, {counts[Action.SKIP]} cache hits, "
+        f"{counts[Action.WAIT]} waiting"
+    )
+    return "\n".join(lines)
 
 
 def _when(timestamp: float) -> str:

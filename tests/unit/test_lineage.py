@@ -375,6 +375,13 @@ def test_cli_runs_show_trace(url, capsys):
     )
     assert "│   ├── in  tokenizer: tokenizer gs://b/tok-cccc" in out
     assert "└── train FAILED" in out and "RuntimeError: NaN loss at step 120" in out
+    # the newest run, and a run named as its folder is (`:` spelled `_`)
+    assert cli.main(["lineage", "show", "latest", "--db", url]) == 0
+    assert capsys.readouterr().out.startswith("run scheduled__2 (lm)")
+    with LineageStore(url) as store:
+        _three_step_run(store, run_id="manual__2026-12-06T16:25:35+00:00")
+    assert cli.main(["lineage", "show", "manual__2026-12-06T16_25_35+00_00", "--db", url]) == 0
+    assert capsys.readouterr().out.startswith("run manual__2026-12-06T16:25:35+00:00 (lm)")
 
     assert cli.main(["lineage", "trace", "gs://b/train-dddd/ckpt", "--db", url]) == 0
     out = capsys.readouterr().out
@@ -383,6 +390,28 @@ def test_cli_runs_show_trace(url, capsys):
     assert "dataset gs://raw/brown  [raw input]" in out
     assert "raw inputs (3):" in out
     print(out, file=sys.stderr)  # visible with -s: the tree as a person sees it
+
+
+def test_a_run_refused_before_any_output_prints_tidily(url):
+    """validate's error lists one problem per line: the failures keep the lines, indented
+    under the step; the tree keeps one line per execution; no empty outputs heading."""
+    from operators.lineage.render import render_run
+
+    error = "RunConfigError: invalid run configuration:\n  step: not a field\n  lr: not a field"
+    with LineageStore(url) as store:
+        ex = store.start_execution("validate", run_id="typo", pipeline="lm")
+        store.finish_execution(ex, ExecutionState.FAILED, error=error)
+        text = render_run(store.run_graph("typo"), artifacts=True)
+    lines = text.splitlines()
+    at = lines.index("failures:")
+    assert lines[at + 1 : at + 4] == [
+        "  validate: FAILED RunConfigError: invalid run configuration:",
+        "      step: not a field",
+        "      lr: not a field",
+    ]
+    assert not [line for line in lines if line.startswith("outputs")]
+    (tree,) = [line for line in lines if line.startswith("└── validate")]
+    assert tree.endswith("invalid run configuration: | step: not a field | lr: not a field")
 
 
 def test_cli_errors_and_default_db(tmp_path, monkeypatch, capsys):
