@@ -158,6 +158,8 @@ class GateOperator(StepLineageMixin, BaseOperator):
                 self.fail_step_execution(store, execution, exc)
                 raise
             self.log.info("gate for %s: %s\n%s", name, decision.summary(), decision.table())
+            if decision.warning:
+                self.log.warning("gate for %s: %s", name, decision.warning)
             if not decision.passed:
                 message = (
                     f"model {name} not promoted: gate {decision.summary()}\n{decision.table()}"

@@ -242,6 +242,9 @@ class Decision:
 
     checks: tuple[Check, ...]
     baseline: Promotion | None = None
+    # Promoted with no criterion set over a better model: said in the table and the summary,
+    # not refused (the form's criteria refuse).
+    warning: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -254,7 +257,8 @@ class Decision:
     def table(self) -> str:
         """The plain-text table: criterion, threshold, value, outcome (failed by how much)."""
         if not self.checks:
-            return "no criterion set: promoted as evaluated"
+            text = "no criterion set: promoted as evaluated"
+            return f"{text}\nwarning: {self.warning}" if self.warning else text
         header = ("criterion", "threshold", "value", "outcome")
         rows = [header] + [
             (c.criterion, f"{c.op} {_num(c.threshold)}", _num(c.value), c.outcome())
@@ -271,7 +275,9 @@ class Decision:
     def summary(self) -> str:
         """One line: what the gate decided."""
         if not self.checks:
-            return "passed: no criterion set"
+            return "passed: no criterion set" + (
+                " (worse than the model it replaces)" if self.warning else ""
+            )
         if self.passed:
             return f"passed: {len(self.checks)} criteria"
         names = ", ".join(c.criterion for c in self.failed)
@@ -283,6 +289,7 @@ class Decision:
             "summary": self.summary(),
             "checks": [c.to_dict() for c in self.checks],
             "table": self.table(),
+            "warning": self.warning,
             "baseline": None
             if self.baseline is None
             else {
@@ -380,7 +387,27 @@ def decide(criteria: Criteria, metrics: Metrics, baseline: Promotion | None = No
         checks.append(_accuracy_check(task, float(minimum), metrics))
     if criteria.max_regression is not None:
         checks += _regression_checks(float(criteria.max_regression), metrics, baseline)
-    return Decision(tuple(checks), baseline)
+    return Decision(tuple(checks), baseline, None if checks else _worse_than(metrics, baseline))
+
+
+def _worse_than(metrics: Metrics, baseline: Promotion | None) -> str | None:
+    """Why a model promoted without criteria is worse than the one it replaces (held-out
+    bits/byte, mean over the stores both have), or None."""
+    if baseline is None:
+        return None
+    before = baseline.metrics.bits_per_byte
+    shared = sorted(set(metrics.bits_per_byte) & set(before))
+    if not shared:
+        return None
+    now = sum(metrics.bits_per_byte[s] for s in shared) / len(shared)
+    was = sum(before[s] for s in shared) / len(shared)
+    if now <= was:
+        return None
+    return (
+        f"held-out bits/byte {now:.{_DIGITS}f} (mean of {len(shared)} stores) is worse than "
+        f"{was:.{_DIGITS}f} for the model it replaces, {baseline.uri} @{baseline.version} (run "
+        f"{baseline.run_id}); set gate_max_regression to keep the better one"
+    )
 
 
 # -- promotions in lineage --------------------------------------------------------------------

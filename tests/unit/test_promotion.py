@@ -204,6 +204,25 @@ def test_regression_against_the_promoted_model(store):
     assert decide(Criteria(max_regression=0.05), better, baseline).passed
 
 
+def test_no_criterion_promotes_a_worse_model_but_says_so(store):
+    """A throwaway run, gated by the form's defaults (no criterion), replaces a better model:
+    promoted as the form asks, with a warning in the summary and the table."""
+    promote(store, "demo", "run-1", metrics(brown=2.0, fortunes=2.4))
+    baseline = current_promotion(store, "demo")
+    worse = decide(Criteria(), metrics(brown=2.9, fortunes=3.1), baseline)
+    assert worse.passed and worse.checks == ()
+    assert worse.summary() == "passed: no criterion set (worse than the model it replaces)"
+    assert worse.warning == (
+        "held-out bits/byte 3.0000 (mean of 2 stores) is worse than 2.2000 for the model it "
+        f"replaces, slipway://models/demo @{baseline.version} (run run-1); set "
+        "gate_max_regression to keep the better one"
+    )
+    assert worse.table().splitlines()[1] == f"warning: {worse.warning}"
+    assert worse.to_dict()["warning"] == worse.warning
+    better = decide(Criteria(), metrics(brown=1.9, fortunes=2.4), baseline)
+    assert better.warning is None and better.summary() == "passed: no criterion set"
+
+
 def test_regression_with_no_promoted_model_passes_and_with_nothing_in_common_fails(store):
     (check,) = decide(Criteria(max_regression=0.0), metrics(), None).checks
     assert check.passed
