@@ -267,8 +267,8 @@ def _writer(url: str, worker: int) -> None:
 
 
 def test_several_processes_write_one_sqlite_file(url):
-    # fork: spawn would re-import SQLAlchemy in every child (seconds each on a small machine).
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork beside the suite's JAX and gRPC threads can deadlock the child.
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_writer, args=(url, w)) for w in range(4)]
     for p in procs:
         p.start()

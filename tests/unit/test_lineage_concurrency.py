@@ -79,7 +79,16 @@ def _task_id(kind: str, worker: int) -> str:
     return f"{kind}-w{worker}"
 
 
+def _warm_up() -> None:
+    """What a task process has done before it records anything: the code version is known
+    (one git call), and the ORM is configured (with Airflow imported, the first ORM use in a
+    process imports all of Airflow's models, as SQLAlchemy's mapper configuration is hooked)."""
+    code_version()
+    configure_mappers()
+
+
 def _task_process(root: str, raw: str, worker: int, barrier, hooks) -> None:
+    _warm_up()
     barrier.wait(30)
     rng = random.Random(worker)
     runner = StepRunner(root, lease_seconds=30.0, poll_seconds=0.02)
@@ -140,6 +149,7 @@ def _listener_process(hooks, barrier, ends) -> None:
     """An Airflow process calling the listener's hooks; exits 1 if any hook logged an error."""
     errors = _Errors()
     logging.getLogger("operators.listener").addHandler(errors)
+    _warm_up()
     barrier.wait(30)
     while (message := hooks.get(timeout=60)) is not None:
         what, run_id, task_id = message
@@ -163,7 +173,7 @@ def url(request, tmp_path, monkeypatch) -> str:
         url = request.getfixturevalue("postgres_url")
     else:
         url = f"sqlite:///{tmp_path}/lineage.db"
-    # Every process (forked below) finds the database the way tasks and listeners do.
+    # Every process (started below) finds the database the way tasks and listeners do.
     monkeypatch.setenv("SLIPWAY_LINEAGE_DB", url)
     monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path / "home"))
     return url
@@ -173,12 +183,9 @@ def test_tasks_and_listeners_write_at_once_without_losing_or_duplicating(url, tm
     root = str(tmp_path / "steps")
     raw = tmp_path / "raw.jsonl"
     raw.write_text('{"text": "the same raw file for every task"}\n')
-    # fork: spawn would re-import SQLAlchemy and Airflow in every child (seconds each).
-    code_version()  # cached before forking: not one git call per child
-    # With Airflow imported, the first ORM use in a process imports all of Airflow's models
-    # (Airflow hooks SQLAlchemy's mapper configuration): do it once here, as a task has.
-    configure_mappers()
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork beside the suite's JAX and gRPC threads can deadlock the child
+    # (each child imports SQLAlchemy and Airflow again, and warms up before the barrier).
+    ctx = multiprocessing.get_context("spawn")
     hooks = ctx.Queue()
     start = ctx.Barrier(WORKERS + 2)
     ends = ctx.Barrier(2)

@@ -413,8 +413,9 @@ def test_concurrent_threads_exactly_one_writer(tmp_path):
 
 
 def test_concurrent_processes_exactly_one_writer(tmp_path):
-    # fork: separate processes, separate file descriptors, no re-import cost of spawn.
-    ctx = multiprocessing.get_context("fork")
+    # spawn: separate processes, separate file descriptors; not fork, which can deadlock a
+    # child beside the suite's JAX threads.
+    ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(4)
     results = ctx.Queue()
     procs = [
