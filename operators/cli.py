@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     show = actions.add_parser("show", parents=[db], help="print a run as a tree")
     show.add_argument("run_id", help="a run id, its run folder's name, or latest")
     trace = actions.add_parser("trace", parents=[db], help="trace an artifact to raw inputs")
-    trace.add_argument("uri")
+    trace.add_argument("uri", help="an artifact's URI, or a local path (relative ones too)")
     trace.add_argument(
         "--version",
         default=None,
@@ -218,7 +218,9 @@ def _lineage(args: argparse.Namespace) -> int:
                 run_id = _run_id(store, args.run_id)
                 print(render.render_run(store.run_graph(run_id), artifacts=True))
             else:
-                print(render.render_trace(store.trace(args.uri, args.version)))
+                # lineage records local paths absolute: `out/steps/...` as typed in the repo
+                uri = args.uri if "://" in args.uri else os.path.abspath(args.uri)
+                print(render.render_trace(store.trace(uri, args.version)))
         except NotFound as exc:
             print(f"slipway: {exc.args[0]}", file=sys.stderr)
             return 1

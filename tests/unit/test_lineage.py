@@ -414,6 +414,18 @@ def test_a_run_refused_before_any_output_prints_tidily(url):
     assert tree.endswith("invalid run configuration: | step: not a field | lr: not a field")
 
 
+def test_cli_traces_a_local_path_as_typed(tmp_path, monkeypatch, capsys):
+    """Lineage records local paths absolute; a path relative to where the user is works."""
+    url = f"sqlite:///{tmp_path}/lineage.db"
+    with LineageStore(url) as store:
+        ex = store.start_execution("export", run_id="r", pipeline="p")
+        store.record_output(ex, str(tmp_path / "out" / "hf"), "hf_export")
+        store.finish_execution(ex)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["lineage", "trace", "out/hf", "--db", url]) == 0
+    assert capsys.readouterr().out.startswith(f"hf_export {tmp_path}/out/hf")
+
+
 def test_cli_errors_and_default_db(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
     monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
