@@ -63,7 +63,6 @@ class ExportOperator(StepLineageMixin, BaseOperator):
         return inputs, [join(output_path(root, step), HF_DIR)]
 
     def execute(self, context: Any) -> dict[str, Any]:
-
         params = self.run_params(context)
         step = self.export_step(context)
         result = self.run_step(
