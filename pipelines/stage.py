@@ -36,6 +36,7 @@ from apache_beam.runners.runner import PipelineRunner
 from pipelines import storage
 from pipelines.beam_io import (
     DEAD,
+    HF_PREFIX,
     RECORDS,
     InputError,
     ParseDocuments,
@@ -198,6 +199,13 @@ def clear_output(output: str) -> None:
     storage.makedirs(output)
 
 
+def _matches(spec: str) -> bool:
+    """Whether a file, folder or glob input names anything (local or on an object store)."""
+    if any(c in spec for c in "*?["):
+        return bool(storage.expand_glob(spec))
+    return bool(storage.filesystem(spec).exists(spec))
+
+
 def prepare_run(
     stage: str, inputs: Sequence[str], output: str, num_shards: int, beam_args: Sequence[str]
 ) -> PipelineOptions:
@@ -207,6 +215,9 @@ def prepare_run(
     if num_shards < 1:
         raise StageError(f"{stage}: --num_shards must be >= 1")
     options = pipeline_options(beam_args)
+    for spec in inputs:  # before the output is cleared: a mistyped input keeps the last one
+        if not spec.startswith(HF_PREFIX) and not _matches(spec):
+            raise StageError(f"{stage}: input {spec!r} matches no files")
     clear_output(output)
     log.info("stage %s: reading %s, writing %s", stage, list(inputs), output)
     return options

@@ -307,3 +307,4 @@ def test_cli_refuses_multi_threading_and_bad_config(tmp_path):
     )
     assert missing.returncode == 2
     assert "matches no files" in missing.stderr
+    assert not (tmp_path / "o").exists()  # refused before the output folder was touched
