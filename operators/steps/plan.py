@@ -68,9 +68,10 @@ def format_plan(entries: Sequence[PlanEntry]) -> str:
     width = max((len(e.step.key) for e in entries), default=0)
     lines = [f"{e.action:<4}  {e.step.key:<{width}}  {e.reason}" for e in entries]
     counts = {a: sum(e.action is a for e in entries) for a in Action}
+    hits = counts[Action.SKIP]
     lines.append(
-        f"{len(entries)} steps: {counts[Action.RUN]} to run, {counts[Action.SKIP]} cache hits, "
-        f"{counts[Action.WAIT]} waiting"
+        f"{len(entries)} steps: {counts[Action.RUN]} to run, {hits} cache hit"
+        f"{'' if hits == 1 else 's'}, {counts[Action.WAIT]} waiting"
     )
     return "\n".join(lines)
 

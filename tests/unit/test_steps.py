@@ -488,7 +488,7 @@ def test_plan_lists_every_step_with_its_reason(tmp_path):
     assert entries[2].path == output_path(root, tokenize)
     text = steps.format_plan(entries)
     assert "SKIP" in text and tokenize.key in text
-    assert text.splitlines()[-1] == "3 steps: 1 to run, 1 cache hits, 1 waiting"
+    assert text.splitlines()[-1] == "3 steps: 1 to run, 1 cache hit, 1 waiting"
     # A dry run writes nothing.
     assert not (tmp_path / tokenize.key).exists()
 
