@@ -501,6 +501,7 @@ def gate_outcome(executions: Sequence[Any]) -> dict[str, Any] | None:
         "version": promoted.get("version"),
         "summary": gate.get("summary"),
         "table": gate.get("table"),
+        "warning": gate.get("warning"),
         "error": ex.error,
     }
 
@@ -511,7 +512,8 @@ def gate_line(outcome: Mapping[str, Any] | None) -> str | None:
         return None
     name = outcome.get("model_name") or "the model"
     if outcome.get("promoted"):
-        return f"gate: promoted {outcome['uri']} @{outcome['version']} ({outcome.get('summary')})"
+        line = f"gate: promoted {outcome['uri']} @{outcome['version']} ({outcome.get('summary')})"
+        return f"{line}\n  warning: {outcome['warning']}" if outcome.get("warning") else line
     if outcome.get("summary"):
         # The failed criteria's table is the gate's error, listed under failures.
         return f"gate: {outcome['state']}, {name} not promoted ({outcome['summary']})"

@@ -221,6 +221,10 @@ def test_no_criterion_promotes_a_worse_model_but_says_so(store):
     assert worse.to_dict()["warning"] == worse.warning
     better = decide(Criteria(), metrics(brown=1.9, fortunes=2.4), baseline)
     assert better.warning is None and better.summary() == "passed: no criterion set"
+    # the printed run summary (make demo, python -m operators.summary) says it too
+    outcome = {"promoted": True, "uri": "slipway://models/demo", "version": "promotion:9"}
+    line = gate_line({**outcome, "summary": worse.summary(), "warning": worse.warning})
+    assert line.splitlines()[1] == f"  warning: {worse.warning}"
 
 
 def test_regression_with_no_promoted_model_passes_and_with_nothing_in_common_fails(store):

@@ -133,6 +133,41 @@ def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
     assert "Clear the failed task" not in text
 
 
+def test_a_worse_promotion_many_drop_reasons_and_multiline_samples_read_well(store):
+    """A model promoted with no criterion over a better one is flagged, not shown as plain
+    success; a step's drop reasons show the top four, the rest folded; a completion's
+    newlines show as ⏎ (an all-newline completion would look empty)."""
+    ex = store.start_execution("quality", run_id="wide", pipeline="slipway_pipeline")
+    dropped = {f"rule_{i}": 10 - i for i in range(6)}
+    counts = {"records_in": 100, "records_out": 55, "dropped": dropped}
+    store.record_output(ex, "/steps/quality-wide", "dataset", counts=counts)
+    store.finish_execution(ex)
+    ex = store.start_execution("evaluate", run_id="wide", pipeline="slipway_pipeline")
+    samples = {"completions": [{"prompt": "def f():\n", "completion": "\n\n"}]}
+    store.record_output(
+        ex, "/steps/evaluate-wide/samples.json", "eval_result", role="samples", properties=samples
+    )
+    store.finish_execution(ex)
+    warning = "held-out bits/byte 3.0000 (mean of 2 stores) is worse than 2.2000"
+    ex = store.start_execution("gate", run_id="wide", pipeline="slipway_pipeline")
+    gate = {"summary": "passed: no criterion set (worse than the model it replaces)"}
+    store.finish_execution(
+        ex,
+        properties={
+            "model_name": "demo",
+            "promoted": {"uri": "slipway://models/demo", "version": "promotion:9"},
+            "gate": {**gate, "warning": warning},
+        },
+    )
+    body = pages.run_page(store, "wide", "/slipway")
+    assert '<div class="warn" id="promoted">' in body and f"Warning:</strong> {warning}" in body
+    html = parse(body)
+    reasons = html.step_rows()["quality"][5]
+    # the top four, then a folded "+2 more" holding the rest (cell text joined as parsed)
+    assert reasons == "rule_0=10, rule_1=9, rule_2=8, rule_3=7+2 morerule_4=6, rule_5=5"
+    assert ["def f():⏎", "⏎⏎"] in [cells for _, cells in html.rows]
+
+
 def test_the_runs_list_filters(store):
     runs = store.runs()
     every = parse(pages.runs_page(runs, "/slipway"))
