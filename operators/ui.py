@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -38,6 +39,8 @@ from operators.reports import URL_PREFIX, pages
 from operators.reports.plots import DPI, PLOT_VERSION, SIZE_IN, loss_png
 from operators.reports.static import report_path
 from operators.reports.view import loss_curve, run_view
+
+log = logging.getLogger(__name__)
 
 PNG_HEADERS = {"Cache-Control": "private, max-age=60"}
 
@@ -138,6 +141,44 @@ def _no_lineage(exc: Exception) -> HTMLResponse:
     return HTMLResponse(f"<p>No lineage recorded yet: {html.escape(str(exc))}</p>", 404)
 
 
+# Airflow's DagRun states in the words the pages use for runs.
+_DAG_RUN_STATES = {
+    "queued": "QUEUED",
+    "running": "RUNNING",
+    "success": "COMPLETE",
+    "failed": "FAILED",
+}
+_IN_CHUNK = 500  # run ids per IN (...) query: SQLite caps a statement's parameters
+
+
+def dag_run_states(run_ids: Iterable[str]) -> dict[tuple[str, str], str]:
+    """Airflow's own state of these DAG runs, by (dag id, run id), from its metadata
+    database (the API server's). The run's lifecycle is Airflow's: see
+    :func:`operators.reports.pages.with_dag_run_states`. Empty where the database cannot be
+    read: the pages then show lineage's states."""
+    ids = sorted(set(run_ids))
+    if not ids:
+        return {}
+    try:
+        from airflow.models.dagrun import DagRun
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        found: dict[tuple[str, str], str] = {}
+        with create_session() as session:
+            for at in range(0, len(ids), _IN_CHUNK):
+                query = select(DagRun.dag_id, DagRun.run_id, DagRun.state).where(
+                    DagRun.run_id.in_(ids[at : at + _IN_CHUNK])
+                )
+                for dag_id, run_id, state in session.execute(query):
+                    if state:
+                        found[dag_id, run_id] = _DAG_RUN_STATES.get(str(state), str(state).upper())
+        return found
+    except Exception:
+        log.warning("Airflow's DAG run states could not be read; lineage's shown", exc_info=True)
+        return {}
+
+
 @app.get("/", response_class=HTMLResponse)
 def runs(
     request: Request,
@@ -152,6 +193,8 @@ def runs(
         return _no_lineage(exc)
     allowed = readable({r.pipeline for r in all_runs if r.pipeline})
     all_runs = [r for r in all_runs if not r.pipeline or r.pipeline in allowed]
+    live = dag_run_states(r.run_id for r in all_runs if r.pipeline)
+    all_runs = pages.with_dag_run_states(all_runs, live)
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
     return pages.runs_page(all_runs, _base(request), filters)
 
@@ -162,7 +205,10 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
     loss_src = f"{base}/runs/{quote(run_id, safe='')}/loss.png"
     try:
         _require_runs(readable, [run_id])
-        return pages.run_page(store(), run_id, base, loss_src=loss_src)
+        owners = store().run_owners(run_id)
+        live = dag_run_states([run_id]) if owners else {}
+        state = next((live[o, run_id] for o in sorted(owners) if (o, run_id) in live), None)
+        return pages.run_page(store(), run_id, base, loss_src=loss_src, dag_run_state=state)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
 

@@ -9,10 +9,10 @@ links nowhere and carries its images inline. Nothing here knows about Airflow or
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any
@@ -94,7 +94,7 @@ def png_data_uri(data: bytes) -> str:
 # -- the runs list -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RunFilters:
     pipeline: str = ""
     state: str = ""
@@ -106,6 +106,21 @@ class RunFilters:
             and (not self.state or str(run.state) == self.state)
             and (not self.q or self.q.lower() in run.run_id.lower())
         )
+
+
+def with_dag_run_states(
+    runs: Sequence[RunSummary], states: Mapping[tuple[str, str], str]
+) -> list[RunSummary]:
+    """``runs`` with the state Airflow gives each DAG run (``states``: by dag id and run id),
+    where it has one. Lineage sees only the steps that recorded something: between two
+    tasks of a running DAG run every recorded step is done, and the run would read COMPLETE;
+    and a step that failed once and passed on its retry leaves a FAILED execution behind."""
+    return [
+        dataclasses.replace(r, state=states[r.pipeline, r.run_id])
+        if r.pipeline and (r.pipeline, r.run_id) in states
+        else r
+        for r in runs
+    ]
 
 
 def runs_page(runs: Sequence[RunSummary], base: str, filters: RunFilters | None = None) -> str:
@@ -132,10 +147,15 @@ def run_page(
     base: str | None,
     *,
     loss_src: str | None = None,
+    dag_run_state: str | None = None,
 ) -> str:
     """The run page (and the static report, with ``base=None``): ``loss_src`` is the loss
-    plot's URL; None draws it here, inline as a data URI. ``NotFound`` for an unknown run."""
+    plot's URL; None draws it here, inline as a data URI. ``dag_run_state``: Airflow's state
+    of the DAG run, shown instead of lineage's (:func:`with_dag_run_states`). ``NotFound``
+    for an unknown run."""
     view = run_view(store.run_graph(run_id))
+    if dag_run_state is not None and dag_run_state != view.state:
+        view = dataclasses.replace(view, state=dag_run_state)
     if loss_src is None:
         loss_src = png_data_uri(loss_png(loss_curve(view.training)))
     return _render(
@@ -267,7 +287,7 @@ def lineage_svg(root: TraceNode) -> str:
 # -- the sweep -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Night:
     run: RunSummary
     report: Mapping[str, Any] | None  # the night's report/report.json (operators/sweep/figures.py)

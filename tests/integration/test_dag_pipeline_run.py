@@ -149,6 +149,26 @@ def _first_run_completes(env):
     assert f"report: {report.uri}" in printed.stdout, printed.stdout[-3000:]
     rows = [line.split()[:2] for line in printed.stdout.splitlines()]
     assert ["evaluate", "COMPLETE"] in rows and ["export", "COMPLETE"] in rows, printed.stdout
+    # The UI reads the run's state from Airflow's own DagRun record (lineage alone cannot
+    # tell a finished run from one between two tasks): this Airflow home's database.
+    dag_runs = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys\n"
+            "from operators.ui import dag_run_states\n"
+            "found = dag_run_states([sys.argv[1], 'no-such-run'])\n"
+            "print(json.dumps([[*k, v] for k, v in found.items()]))",
+            run1,
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert json.loads(dag_runs.stdout.splitlines()[-1]) == [
+        ["slipway_pipeline", run1, "COMPLETE"]
+    ], dag_runs.stderr[-3000:]
     ckpt = [o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint"]
     assert ckpt and ckpt[0].counts["loss_end"] is not None
     evals = {o.role: o.artifact.counts for o in nodes["evaluate"].outputs}

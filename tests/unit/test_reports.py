@@ -168,6 +168,20 @@ def test_a_worse_promotion_many_drop_reasons_and_multiline_samples_read_well(sto
     assert ["def f():⏎", "⏎⏎"] in [cells for _, cells in html.rows]
 
 
+def test_airflows_state_of_a_dag_run_is_the_one_shown(store):
+    """Between two tasks of a running DAG run every step lineage has is done: the runs list
+    and the run page show Airflow's state of the run (``ui.dag_run_states``) where it has
+    one, and filter by it."""
+    runs = store.runs()
+    live = {("slipway_pipeline", "good"): "RUNNING"}
+    shown = pages.with_dag_run_states(runs, live)
+    assert {r.run_id: str(r.state) for r in shown} == {"good": "RUNNING", "bad <script>": "FAILED"}
+    running = parse(pages.runs_page(shown, "/s", pages.RunFilters(state="RUNNING")))
+    assert [c[0] for _, c in running.rows[1:]] == ["good"]
+    page = pages.run_page(store, "good", "/s", dag_run_state="RUNNING")
+    assert '<span class="state state-RUNNING" id="run-state">RUNNING</span>' in page
+
+
 def test_the_runs_list_filters(store):
     runs = store.runs()
     every = parse(pages.runs_page(runs, "/slipway"))
