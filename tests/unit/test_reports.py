@@ -182,6 +182,17 @@ def test_airflows_state_of_a_dag_run_is_the_one_shown(store):
     assert '<span class="state state-RUNNING" id="run-state">RUNNING</span>' in page
 
 
+def test_the_tokenize_task_tab_opens_at_its_first_store(store):
+    """Airflow's "Slipway step" tab links #step-<task id>; the tokenize task's steps are
+    named tokens/<kind>/<source>, so its first row carries the task's anchor too."""
+    for name in ("tokens/train/brown", "tokens/heldout/brown"):
+        ex = store.start_execution(name, run_id="tok", pipeline="slipway_pipeline")
+        store.finish_execution(ex)
+    body = pages.run_page(store, "tok", "/s")
+    assert body.count('id="step-tokenize"') == 1
+    assert body.index('id="step-tokenize"') < body.index('id="step-tokens/heldout/brown"')
+
+
 def test_the_runs_list_filters(store):
     runs = store.runs()
     every = parse(pages.runs_page(runs, "/slipway"))
