@@ -134,6 +134,9 @@ async def _login_or_error(request: Request, exc: HTTPException) -> Response:
         from airflow.api_fastapi.app import get_auth_manager
 
         return RedirectResponse(get_auth_manager().get_url_login(next_url=str(request.url)), 302)
+    if wants_html and exc.status_code != 401:
+        body = pages.error_page(exc.status_code, str(exc.detail or ""), _base(request))
+        return HTMLResponse(body, status_code=exc.status_code)
     return Response(exc.detail or "", status_code=exc.status_code, media_type="text/plain")
 
 
@@ -281,9 +284,11 @@ def static_report(run_id: str, readable: Access) -> Any:
 def trace(
     request: Request,
     readable: Access,
-    uri: str = Query(..., max_length=4096),
+    uri: str = Query("", max_length=4096),
     version: str = Query(""),
 ) -> Any:
+    if not uri:
+        raise HTTPException(400, "Which artifact? Give its URI: /trace?uri=<uri>[&version=<v>]")
     try:
         root = store().trace(uri, version or None)
     except NotFound as exc:

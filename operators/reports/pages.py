@@ -91,6 +91,17 @@ def png_data_uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
 
 
+# -- errors ---------------------------------------------------------------------------------------
+
+_ERROR_TITLES = {400: "Bad request", 403: "Not allowed", 404: "Not found", 422: "Bad request"}
+
+
+def error_page(status: int, detail: str, base: str) -> str:
+    """An error as a page a person can read, with the way back (API clients get text)."""
+    title = _ERROR_TITLES.get(status, "Error")
+    return _render("error.html", base, status=status, title=title, detail=detail)
+
+
 # -- the runs list -------------------------------------------------------------------------------
 
 

@@ -251,6 +251,9 @@ def client(store, monkeypatch):
     from operators import ui
 
     monkeypatch.setattr(ui, "_store", store)
+    # Airflow's DagRun states come from the API server's metadata database: read for real in
+    # tests/integration/test_dag_pipeline_run.py; here there is none (lineage's states show)
+    monkeypatch.setattr(ui, "dag_run_states", lambda run_ids: {})
     ui.app.dependency_overrides[get_user] = lambda: object()
     # a user who may read every DAG (the auth manager's answer is the test's to give below)
     ui.app.dependency_overrides[ui.readable_dags] = lambda: set
@@ -279,6 +282,21 @@ def test_the_app_serves_pages_plots_and_reports(client, store):
     assert "No <span" in client.get("/sweeps").text
     assert client.get("/sweeps/..%2F..%2Fetc/isoflop.png").status_code == 404
     assert client.get("/sweeps/good/passwd.png").status_code == 404
+
+
+def test_a_browser_gets_error_pages_and_an_api_client_text(client):
+    """A person who mistypes a run id or opens /trace bare gets a page with the way back;
+    anything not asking for HTML gets the status and the reason as text."""
+    html = {"accept": "text/html"}
+    missing = client.get("/runs/nothing", headers=html)
+    assert missing.status_code == 404 and missing.headers["content-type"].startswith("text/html")
+    page = parse(missing.text)
+    assert "Not found" in page.text and "no run 'nothing'" in " ".join(page.text)
+    assert 'href="/slipway/"' in missing.text
+    bare = client.get("/trace", headers=html)
+    assert bare.status_code == 400 and "Give its URI: /trace?uri=" in bare.text
+    text = client.get("/runs/nothing", headers={"accept": "application/json"})
+    assert text.headers["content-type"].startswith("text/plain") and text.text == "no run 'nothing'"
 
 
 def test_a_user_sees_only_the_runs_of_the_dags_the_auth_manager_lets_them_read(client, store):
