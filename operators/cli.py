@@ -154,44 +154,52 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nights(args: argparse.Namespace) -> list[str] | None:
+    """The sweep's nights lineage has, newest first; None (said why) without a store."""
+    from operators.sweep.report import SWEEP_DAG
+
+    store = _open_store(args)
+    if store is None:
+        return None
+    with store:
+        return [r.run_id for r in store.runs() if r.pipeline == SWEEP_DAG]
+
+
 def _night_recorded(args: argparse.Namespace) -> bool:
     """Whether lineage has the sweep night ``args.run_id``; if not, say so (a night without a
     fit yet is a night; a mistyped id is none)."""
     from operators.sweep.report import SWEEP_DAG
 
-    store = _open_store(args)
-    if store is None:
+    nights = _nights(args)
+    if nights is None:
         return False
-    with store:
-        known = any(r.run_id == args.run_id and r.pipeline == SWEEP_DAG for r in store.runs())
-    if not known:
+    if args.run_id not in nights:
         print(
             f"slipway: no {SWEEP_DAG} night {args.run_id!r} recorded "
             "(`slipway sweep list` shows the nights)",
             file=sys.stderr,
         )
-    return known
+        return False
+    return True
 
 
 def _latest_night(args: argparse.Namespace) -> str | None:
     """The newest sweep night's run id (``slipway sweep show latest``), or None, saying why."""
     from operators.sweep.report import SWEEP_DAG
 
-    store = _open_store(args)
-    if store is None:
+    nights = _nights(args)
+    if nights is None:
         return None
-    with store:
-        nights = [r for r in store.runs() if r.pipeline == SWEEP_DAG]
     if not nights:
         print(f"slipway: no {SWEEP_DAG} runs recorded", file=sys.stderr)
         return None
-    return nights[0].run_id
+    return nights[0]
 
 
 def _run_id(store: Any, given: str) -> str:
     """``latest`` (the newest run recorded), a run id, or a run folder's name (``runs/<name>``
     spells ``:`` as ``_``), as the one run id lineage has for it."""
-    from operators.settings import run_folder_name
+    from operators.settings import runs_sharing_folder
 
     if given == "latest":
         runs = store.runs()
@@ -199,7 +207,7 @@ def _run_id(store: Any, given: str) -> str:
     recorded = store.run_ids()
     if given in recorded:
         return given
-    named = [r for r in recorded if run_folder_name(r) == given]
+    named = runs_sharing_folder(given, recorded)
     return named[0] if len(named) == 1 else given
 
 

@@ -113,7 +113,9 @@ class RunPolicy:
 
             environ, root = os.environ, storage_root()
         else:
-            root = environ.get("SLIPWAY_HOME", "").strip()
+            from operators.settings import HOME_ENV
+
+            root = environ.get(HOME_ENV, "").strip()
         found: dict[str, tuple[str, ...]] = {}
         for field, name in ALLOW_ENV.items():
             values = list(env_list(environ, name))

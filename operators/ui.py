@@ -207,8 +207,8 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
     base = _base(request)
     loss_src = f"{base}/runs/{quote(run_id, safe='')}/loss.png"
     try:
-        _require_runs(readable, [run_id])
         owners = store().run_owners(run_id)
+        _require(readable, owners)
         live = dag_run_states([run_id]) if owners else {}
         state = next((live[o, run_id] for o in sorted(owners) if (o, run_id) in live), None)
         return pages.run_page(store(), run_id, base, loss_src=loss_src, dag_run_state=state)

@@ -203,7 +203,7 @@ def _matches(spec: str) -> bool:
     """Whether a file, folder or glob input names anything (local or on an object store)."""
     if any(c in spec for c in "*?["):
         return bool(storage.expand_glob(spec))
-    return bool(storage.filesystem(spec).exists(spec))
+    return storage.exists(spec)
 
 
 def prepare_run(

@@ -237,7 +237,7 @@ class TraceNode:
             visited.add(id(node))
             if node.producer is None or not node.inputs:
                 leaves.setdefault(node.artifact.id, node.artifact)
-            for child in node.inputs if node.producer is not None else ():
+            for child in node.inputs:  # none without a producer
                 visit(child)
 
         visit(self)
