@@ -25,11 +25,18 @@ duplicate a record, on either database:
   may have happened, and a replayed ``start_execution`` would duplicate the execution.
 
 Postgres runs at READ COMMITTED (set on the engine, whatever the server default).
+
+JSON columns (counts, properties, configs) keep non-finite floats: a diverged run's NaN loss
+is a result to record, but Postgres refuses JSON's non-standard ``NaN`` token, so both
+databases store such a float as ``{"$float": "NaN"}`` and read it back as the float
+(:func:`_json_dumps`, :func:`_json_loads`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import random
 import time
 import traceback as tb
@@ -1034,13 +1041,48 @@ def _utc(value: datetime | None) -> datetime | None:
 # -- engine and schema ------------------------------------------------------------------------------
 
 
+_FLOAT_KEY = "$float"  # the one key of a non-finite float's JSON object
+
+
+def _finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float as ``{"$float": "NaN" | "Infinity" | "-Infinity"}``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT_KEY: json.dumps(value)}
+    if isinstance(value, Mapping):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+def _json_dumps(value: Any) -> str:
+    """Standard JSON, which Postgres accepts: see the module docstring."""
+    return json.dumps(_finite_json(value), allow_nan=False)
+
+
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _float_hook(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1 and obj.get(_FLOAT_KEY) in _NON_FINITE:
+        return _NON_FINITE[obj[_FLOAT_KEY]]
+    return obj
+
+
+def _json_loads(text: str | bytes) -> Any:
+    """The inverse of :func:`_json_dumps`; also reads bare ``NaN`` tokens (SQLite files written
+    before the codec)."""
+    return json.loads(text, object_hook=_float_hook)
+
+
 def _make_engine(url: str) -> Engine:
+    codec = {"json_serializer": _json_dumps, "json_deserializer": _json_loads}
     if not url.startswith("sqlite"):
         if url.startswith("postgresql"):
             # The ON CONFLICT / FOR UPDATE / conditional UPDATE design assumes READ COMMITTED.
-            return create_engine(url, pool_pre_ping=True, isolation_level="READ COMMITTED")
-        return create_engine(url, pool_pre_ping=True)
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+            return create_engine(url, pool_pre_ping=True, isolation_level="READ COMMITTED", **codec)
+        return create_engine(url, pool_pre_ping=True, **codec)
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **codec)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

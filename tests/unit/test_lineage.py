@@ -194,6 +194,36 @@ def test_record_artifact_upserts_and_link_is_idempotent(url):
             store.link(run, "gs://never-recorded", EventType.INPUT)
 
 
+def test_a_diverged_runs_non_finite_numbers_are_recorded_and_read_back(url, tmp_path):
+    """A NaN loss is a result, not a recording error: Postgres refuses JSON's NaN token, so
+    the store writes standard JSON and reads the floats back, on both databases."""
+    import math
+    import sqlite3
+
+    with LineageStore(url) as store:
+        train = store.start_execution("train", run_id="diverged", pipeline="lm")
+        store.record_output(
+            train,
+            "gs://b/train-dddd/ckpt",
+            ArtifactType.CHECKPOINT,
+            counts={"loss_end": float("nan"), "grad_norms": [1.5, float("inf")]},
+            properties={"note": {"$float": "nan?"}, "label": "NaN"},  # look-alikes stay as they are
+        )
+        store.finish_execution(train, properties={"worst": float("-inf")})
+    with LineageStore(url) as store:
+        ckpt = store.artifact("gs://b/train-dddd/ckpt")
+        assert math.isnan(ckpt.counts["loss_end"])
+        assert ckpt.counts["grad_norms"] == [1.5, math.inf]
+        assert ckpt.properties == {"note": {"$float": "nan?"}, "label": "NaN"}
+        assert store.execution(train).properties == {"worst": -math.inf}
+    if url.startswith("sqlite"):  # a file written before the codec, with bare NaN tokens
+        path = url.removeprefix("sqlite:///")
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE artifacts SET counts = '{\"loss_end\": NaN}'")
+        with LineageStore(url) as store:
+            assert math.isnan(store.artifact("gs://b/train-dddd/ckpt").counts["loss_end"])
+
+
 def test_trace_across_three_steps_to_raw_inputs(url):
     with LineageStore(url) as store:
         _three_step_run(store)
