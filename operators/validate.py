@@ -6,6 +6,10 @@ across fields, non-finite numbers, the data roots, credentials, identities and i
 platform allows, every stage config, the TPU shape. A refused run is recorded in lineage
 (``validate`` FAILED, with the list of problems) like any other failure; ``slipway plan
 --conf`` runs the same checks from a shell.
+
+It also records the run's settings on the run itself (lineage's run context): the form's
+values, and which fields differ from the DAG's defaults. The run page shows them, refused runs
+included (what was refused is worth seeing).
 """
 
 from __future__ import annotations
@@ -39,13 +43,27 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         try:
             if context.get("run_id"):  # before anything is recorded under it
                 require_own_run_folder(context["run_id"], store.run_ids())
-            with store.recording("validate", run_id=context.get("run_id"), pipeline=self.dag_id):
+            settings = {"params": params, "changed": self.changed_fields(params)}
+            with store.recording(
+                "validate",
+                run_id=context.get("run_id"),
+                pipeline=self.dag_id,
+                run_properties=settings,
+            ):
                 self.refuse_undeclared(context.get("params") or {})
                 self.check(params)
         finally:
             store.close()
         self.log.info("run form valid")
         return {"valid": True}
+
+    def changed_fields(self, params: dict[str, Any]) -> list[str]:
+        """The fields of ``params`` not at the DAG form's defaults (without a DAG, the
+        pipeline form's)."""
+        from operators.pipeline.form import with_defaults
+
+        defaults = with_defaults(self.dag.params.dump() if self.has_dag() else {})
+        return sorted(k for k, v in params.items() if k not in defaults or defaults[k] != v)
 
     def refuse_undeclared(self, params: Any) -> None:
         """Airflow turns a trigger's conf keys that the DAG's form does not declare into

@@ -42,7 +42,7 @@ import time
 import traceback as tb
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -215,6 +215,9 @@ class RunSummary:
     started_at: datetime
     ended_at: datetime | None
     counts: Mapping[str, int]  # executions by state
+    # What the run's first task recorded about the run as a whole: ``params`` (the form's
+    # values the run was triggered with) and ``changed`` (the fields not at their defaults).
+    properties: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -658,11 +661,13 @@ class LineageStore:
                 .group_by(Execution.run_id, Execution.state)
             ).all()
             pipelines = self._pipelines_by_run(session)
+            properties = self._run_properties(session)
         by_run: dict[str, list[tuple[str, int, datetime, datetime | None]]] = {}
         for run_id, state, count, started, ended in grouped:
             by_run.setdefault(run_id, []).append((state, count, started, ended))
         summaries = [
-            _summary(run_id, pipelines.get(run_id), rows) for run_id, rows in by_run.items()
+            _summary(run_id, pipelines.get(run_id), rows, properties.get(run_id))
+            for run_id, rows in by_run.items()
         ]
         return sorted(summaries, key=lambda s: (s.started_at, s.run_id), reverse=True)
 
@@ -684,6 +689,7 @@ class LineageStore:
                 .order_by(EventRow.id)
             ).all()
             pipeline = self._pipelines_by_run(session, run_id).get(run_id)
+            properties = self._run_properties(session, run_id).get(run_id)
         inputs: dict[int, list[Linked]] = {i: [] for i in ids}
         outputs: dict[int, list[Linked]] = {i: [] for i in ids}
         for ev, art in links:
@@ -692,7 +698,7 @@ class LineageStore:
         records = [_execution_record(e) for e in executions]
         rows = [(str(r.state), 1, r.started_at, r.ended_at) for r in records]
         return RunGraph(
-            run=_summary(run_id, pipeline, rows),
+            run=_summary(run_id, pipeline, rows, properties),
             steps=tuple(StepNode(r, tuple(inputs[r.id]), tuple(outputs[r.id])) for r in records),
         )
 
@@ -830,6 +836,17 @@ class LineageStore:
 
     def _pipelines_by_run(self, session: Session, run_id: str | None = None) -> dict[str, str]:
         return dict(session.execute(_run_pipelines(run_id)).tuples().all())
+
+    def _run_properties(
+        self, session: Session, run_id: str | None = None
+    ) -> dict[str, Mapping[str, Any]]:
+        """The run contexts' properties (``start_execution``'s ``run_properties``), by run id."""
+        query = select(Context.name, Context.properties).where(
+            Context.type == str(ContextType.DAG_RUN)
+        )
+        if run_id is not None:
+            query = query.where(Context.name == run_id)
+        return {name: props for name, props in session.execute(query).tuples() if props}
 
 
 def _run_pipelines(run_id: str | None = None) -> Any:
@@ -1015,7 +1032,10 @@ def _sqlstate(exc: DBAPIError) -> str | None:
 
 
 def _summary(
-    run_id: str, pipeline: str | None, rows: Iterable[tuple[str, int, datetime, datetime | None]]
+    run_id: str,
+    pipeline: str | None,
+    rows: Iterable[tuple[str, int, datetime, datetime | None]],
+    properties: Mapping[str, Any] | None = None,
 ) -> RunSummary:
     rows = list(rows)
     counts: dict[str, int] = {}
@@ -1026,7 +1046,9 @@ def _summary(
     running = counts.get(str(ExecutionState.RUNNING), 0)
     ends = [r[3] for r in rows if r[3] is not None]
     ended = max(ends) if ends and not running else None
-    return RunSummary(run_id, pipeline, state, _utc(started), _utc(ended), counts)
+    return RunSummary(
+        run_id, pipeline, state, _utc(started), _utc(ended), counts, dict(properties or {})
+    )
 
 
 def _utc(value: datetime | None) -> datetime | None:

@@ -528,8 +528,15 @@ def test_the_validate_task_refuses_before_any_data_and_records_it(dag, tmp_path,
     url = f"sqlite:///{tmp_path / 'home' / 'lineage.db'}"
     with LineageStore(url, create=False) as store:
         (node,) = store.run_graph("bad_run").steps
+        run = store.run_graph("bad_run").run
+        [listed] = store.runs()
     assert (node.execution.name, str(node.execution.state)) == ("validate", "FAILED")
     assert "stage_configs.decontaminate: unknown config field" in node.execution.error
+    # What was refused stays readable on the run: the values, and which left their defaults.
+    assert run.properties["params"]["learning_rate"] == 0.01
+    assert run.properties["params"]["stage_configs"]["decontaminate"] == {"ngrams": 13}
+    assert run.properties["changed"] == ["learning_rate", "stage_configs"]
+    assert listed.properties == run.properties
 
 
 # -- `slipway plan --conf`: the same checks from a shell ------------------------------------------
