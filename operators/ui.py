@@ -260,7 +260,7 @@ def loss(request: Request, run_id: str, readable: Access) -> Response:
         view = run_view(store().run_graph(run_id))
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
-    points = loss_curve(view.training)
+    points = loss_curve(view)
     etag = _loss_etag(points)
     headers = {**PNG_HEADERS, "ETag": etag}
     if _etag_matches(request.headers.get("if-none-match", ""), etag):
@@ -295,7 +295,8 @@ def trace(
         raise HTTPException(404, str(exc.args[0])) from exc
     # a trace passes through other runs (the sweep's cells read the pipeline's steps)
     _require_runs(readable, {n.producer.run_id for n in pages.producers(root) if n.producer.run_id})
-    return pages.trace_page(root, _base(request))
+    versions = store().artifact_versions(root.artifact.uri)
+    return pages.trace_page(root, _base(request), versions=versions, asked_version=version or None)
 
 
 @app.get("/sweeps", response_class=HTMLResponse)
@@ -305,7 +306,10 @@ def sweeps(request: Request, readable: Access, night: str = Query("", max_length
         all_runs = store().runs()
     except NotFound as exc:
         return _no_lineage(exc)
-    return pages.sweeps_page(all_runs, _base(request), night or None)
+    try:
+        return pages.sweeps_page(all_runs, _base(request), night or None)
+    except NotFound as exc:
+        raise HTTPException(404, str(exc.args[0])) from exc
 
 
 @app.get("/sweeps/{run_id}/{plot}.png")

@@ -109,39 +109,64 @@ def _score(value: object, stderr: object) -> str:
     return f"{value:>7.3f}{err:<8}"
 
 
+def _chance_gap(metrics: Mapping[str, object]) -> tuple[float, float] | None:
+    """(acc - chance, two standard errors), or None without both numbers."""
+    acc, err, chance = metrics.get("acc"), metrics.get("acc_stderr"), metrics.get("chance")
+    if not (isinstance(acc, float | int) and isinstance(chance, float | int)):
+        return None
+    return acc - chance, 2 * (err if isinstance(err, float | int) else 0.0)
+
+
 def near_chance(metrics: Mapping[str, object]) -> bool:
     """The task's accuracy is within two standard errors of its chance level."""
-    acc, err, chance = metrics.get("acc"), metrics.get("acc_stderr"), metrics.get("chance")
-    return (
-        isinstance(acc, float | int)
-        and isinstance(chance, float | int)
-        and abs(acc - chance) <= 2 * (err if isinstance(err, float | int) else 0.0)
-    )
+    gap = _chance_gap(metrics)
+    return gap is not None and abs(gap[0]) <= gap[1]
+
+
+def below_chance(metrics: Mapping[str, object]) -> bool:
+    """The task's accuracy is more than two standard errors under its chance level."""
+    gap = _chance_gap(metrics)
+    return gap is not None and gap[0] < -gap[1]
+
+
+CHANCE_NOTE = (
+    "a model this small and briefly trained is expected to score near chance on these tasks"
+)
+BELOW_CHANCE_NOTE = (
+    "below chance is no skill in reverse: a model that gives every question the same answer "
+    "scores there on a task whose answers are unbalanced (boolq's are 62% yes)"
+)
 
 
 def render_benchmarks(rows: Sequence[tuple[str, Mapping[str, object]]]) -> list[str]:
     """The benchmark table: task, n, shots, acc and acc_norm with standard errors, chance.
-    A task whose accuracy is within two standard errors of chance is marked: at the demo's
-    sizes that is every task, and the table should say so rather than let a number pass for
-    skill."""
+    A task whose accuracy is within two standard errors of chance is marked ``~chance``: at
+    the demo's sizes that is every task, and the table should say so rather than let a number
+    pass for skill. One more than two standard errors under it is marked ``below chance``."""
     header = f"{'task':<16}{'n':>6}{'shots':>6}  {'acc':>15}  {'acc_norm':>15}  {'chance':>6}"
     lines = ["benchmarks (lm-evaluation-harness formats; trainer/tasks.py):", "  " + header]
-    near = 0
+    near = below = 0
     for task, c in rows:
         acc, err, chance = c.get("acc"), c.get("acc_stderr"), c.get("chance")
-        at_chance = near_chance(c)
+        at_chance, under = near_chance(c), below_chance(c)
         near += at_chance
+        below += under
+        mark = "  ~chance" if at_chance else "  below chance" if under else ""
         extra = f"  perplexity {c['perplexity']:.4g}" if c.get("perplexity") is not None else ""
         lines.append(
             f"  {task:<16}{c.get('n')!s:>6}{c.get('shots', 0)!s:>6}  {_score(acc, err)}  "
             f"{_score(c.get('acc_norm'), c.get('acc_norm_stderr'))}  "
             f"{chance if chance is None else round(float(chance), 3)!s:>6}"
-            f"{'  ~chance' if at_chance else ''}{extra}"
+            f"{mark}{extra}"
         )
     if near:
         lines.append(
-            f"  {near} of {len(rows)} within 2 standard errors of chance (~chance): a model this "
-            "small and briefly trained is expected to score near chance on these tasks"
+            f"  {near} of {len(rows)} within 2 standard errors of chance (~chance): {CHANCE_NOTE}"
+        )
+    if below:
+        lines.append(
+            f"  {below} of {len(rows)} more than 2 standard errors under chance: "
+            f"{BELOW_CHANCE_NOTE}"
         )
     return lines
 

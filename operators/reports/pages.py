@@ -11,13 +11,21 @@ from __future__ import annotations
 import base64
 import dataclasses
 import html
+import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any
+from urllib.parse import quote
 
-from operators.lineage.render import near_chance
+from operators.lineage.render import (
+    BELOW_CHANCE_NOTE,
+    CHANCE_NOTE,
+    below_chance,
+    near_chance,
+)
 from operators.lineage.schema import ExecutionState
 from operators.lineage.store import (
     ArtifactRecord,
@@ -26,11 +34,13 @@ from operators.lineage.store import (
     RunSummary,
     TraceNode,
 )
+from operators.promotion import Promotion, current_promotion
 from operators.reports.plots import loss_png
-from operators.reports.view import RunView, loss_curve, run_view
+from operators.reports.view import RunView, loss_curve, run_view, step_name
 
 SWEEP_DAG = "slipway_scaling_sweep"
 SWEEP_PLOTS = ("isoflop", "scaling")
+LIVE_REFRESH_S = 30  # a running run's page reloads itself this often (new steps, the loss)
 
 
 @cache
@@ -45,16 +55,20 @@ def _env() -> Any:
         lstrip_blocks=True,
     )
     env.filters["step_name"] = step_name
+    env.filters["setting"] = fmt_setting
+    env.tests["below_chance"] = below_chance
     env.globals.update(
-        fmt_num=fmt_num, fmt_duration=fmt_duration, duration=run_duration, near_chance=near_chance
+        fmt_num=fmt_num,
+        fmt_count=fmt_count,
+        fmt_duration=fmt_duration,
+        duration=run_duration,
+        near_chance=near_chance,
+        below_chance=below_chance,
+        chance_note=CHANCE_NOTE,
+        below_chance_note=BELOW_CHANCE_NOTE,
+        changed_settings=changed_settings,
     )
     return env
-
-
-def step_name(key: str) -> str:
-    """``train-1a2b3c4d`` (a step's key in the run summary) -> ``train``."""
-    name, _, version = key.rpartition("-")
-    return name if name and len(version) == 8 else key
 
 
 def fmt_num(value: Any, digits: int = 4) -> str:
@@ -63,6 +77,42 @@ def fmt_num(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
     return str(value)
+
+
+def fmt_count(value: Any) -> str:
+    """A count with thousands separators (``5,123,456``); "" for none."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return ""
+    return f"{value:,}" if isinstance(value, int) or value.is_integer() else f"{value:,.1f}"
+
+
+def fmt_setting(value: Any) -> str:
+    """A form value as the form takes it: JSON for objects and lists, strings bare."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(", ", ": "))
+
+
+def changed_settings(
+    properties: Mapping[str, Any], brief_chars: int = 24, most: int | None = None
+) -> str:
+    """The settings a run's first task recorded (``RunSummary.properties``) that left the
+    form's defaults, briefly: ``steps=500, learning_rate=0.01, stage_configs`` (a value longer
+    than ``brief_chars``, or an object, by its name; past ``most`` of them, how many more).
+    What tells runs apart at a glance."""
+    params = properties.get("params") or {}
+    changed = list(properties.get("changed") or ())
+    parts = []
+    if most is not None and len(changed) > most:
+        changed, more = changed[:most], len(changed) - most
+    else:
+        more = 0
+    for name in changed:
+        value = params.get(name)
+        shown = fmt_setting(value)
+        scalar = isinstance(value, str | int | float | bool | None)
+        parts.append(f"{name}={shown}" if scalar and len(shown) <= brief_chars else name)
+    return ", ".join(parts) + (f" and {more} more" if more else "")
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -168,15 +218,29 @@ def run_page(
     if dag_run_state is not None and dag_run_state != view.state:
         view = dataclasses.replace(view, state=dag_run_state)
     if loss_src is None:
-        loss_src = png_data_uri(loss_png(loss_curve(view.training)))
+        loss_src = png_data_uri(loss_png(loss_curve(view)))
     return _render(
         "run.html",
         base,
         v=view,
         loss_src=loss_src,
         checkpoint_raw=checkpoint_raw_inputs(store, view),
+        replaced_by=promotion_replacing(store, view),
         sweep_dag=SWEEP_DAG,
+        refresh_s=LIVE_REFRESH_S,
     )
+
+
+def promotion_replacing(store: LineageStore, view: RunView) -> Promotion | None:
+    """The model name's current promotion, when a later one replaced the model this run
+    promoted (None when this run's promotion is still current, or it promoted nothing)."""
+    gate = view.gate or {}
+    if not (gate.get("promoted") and gate.get("model_name")):
+        return None
+    current = current_promotion(store, gate["model_name"])
+    if current is None or current.version == gate.get("version"):
+        return None
+    return current
 
 
 def checkpoint_raw_inputs(store: LineageStore, view: RunView) -> list[ArtifactRecord]:
@@ -193,17 +257,32 @@ def checkpoint_raw_inputs(store: LineageStore, view: RunView) -> list[ArtifactRe
 # -- lineage -------------------------------------------------------------------------------------
 
 
-def trace_page(root: TraceNode, base: str) -> str:
-    """An artifact traced back to its raw inputs (``LineageStore.trace``): a graph, the raw
-    inputs with their content hashes, and the producers step by step with code version and
-    container image."""
+_OTHER_VERSIONS_SHOWN = 10
+
+
+def trace_page(
+    root: TraceNode,
+    base: str,
+    *,
+    versions: Sequence[ArtifactRecord] = (),
+    asked_version: str | None = None,
+) -> str:
+    """An artifact traced back to its raw inputs (``LineageStore.trace``): which version was
+    traced and who wrote it, a graph, the raw inputs with their content hashes, and the
+    producers step by step with code version and container image. ``versions``: every
+    recorded version of the artifact's URI, oldest first (the newest others are linked);
+    ``asked_version``: the version the request named, None for "the latest"."""
+    others = [a for a in reversed(versions) if a.version != root.artifact.version]
     return _render(
         "trace.html",
         base,
         root=root,
         raw=root.raw_inputs(),
-        graph_svg=lineage_svg(root),
+        graph_svg=lineage_svg(root, base),
         producers=producers(root),
+        asked_version=asked_version,
+        version_count=len(versions),
+        other_versions=others[:_OTHER_VERSIONS_SHOWN],
     )
 
 
@@ -226,14 +305,38 @@ def producers(root: TraceNode) -> list[TraceNode]:
     return order
 
 
-_BOX_W, _BOX_H, _GAP_X, _GAP_Y = 230, 30, 14, 26
+_BOX_W, _BOX_H, _GAP_X, _GAP_Y = 270, 30, 14, 26
+_LABEL_CHARS = 44  # what a box holds at 11 px; longer labels are cut (the tooltip has it all)
 
 
-def lineage_svg(root: TraceNode) -> str:
+_STEP_FOLDER = re.compile(r".+-[0-9a-f]{8}")  # a step's output folder: <name>-<version[:8]>
+
+
+def short_uri(uri: str) -> str:
+    """An artifact's URI in a few words: from its step's folder on (``quality-4d81b2b6/output``,
+    ``train-7c2015bf/…/step-000000200``), else its last part (``brown.tar.gz``)."""
+    parts = uri.rstrip("/").split("/")
+    folder = next(
+        (i for i in range(len(parts) - 2, -1, -1) if _STEP_FOLDER.fullmatch(parts[i])), None
+    )
+    if folder is None:
+        return parts[-1]
+    return "/".join([parts[folder], *(["…"] if folder < len(parts) - 2 else []), parts[-1]])
+
+
+def _trace_href(base: str | None, artifact: ArtifactRecord) -> str | None:
+    if base is None:
+        return None
+    return f"{base}/trace?uri={quote(artifact.uri, safe='')}&version={quote(artifact.version, safe='')}"
+
+
+def lineage_svg(root: TraceNode, base: str | None = None) -> str:
     """The trace as a top-down graph: raw inputs at the top, the artifact at the bottom, each
     producing execution between its inputs and its output. Drawn here as SVG: no
-    script, no layout library; an artifact or execution reached twice is one node."""
+    script, no layout library; an artifact or execution reached twice is one node. With a
+    ``base``, an artifact's node links to its own trace and a step's to its run."""
     nodes: dict[str, tuple[int, str, str]] = {}  # key -> (depth, label, css class)
+    links: dict[str, str | None] = {}  # key -> where a click goes: its trace, its run
     edges: set[tuple[str, str]] = set()
 
     deepest: dict[int, int] = {}  # a shared node's subtree is laid out again only deeper
@@ -246,13 +349,17 @@ def lineage_svg(root: TraceNode) -> str:
         previous = nodes.get(key)
         if previous is None or previous[0] < depth:
             kind = "raw" if node.producer is None or not node.inputs else "artifact"
-            label = f"{node.artifact.type}: {node.artifact.uri.rstrip('/').rsplit('/', 1)[-1]}"
+            label = f"{node.artifact.type}: {short_uri(node.artifact.uri)}"
             nodes[key] = (depth, label, kind)
+            links[key] = _trace_href(base, node.artifact)
         if node.producer is not None:
             ex_key = f"e{node.producer.id}"
             ex_prev = nodes.get(ex_key)
             if ex_prev is None or ex_prev[0] < depth + 1:
                 nodes[ex_key] = (depth + 1, f"{node.producer.name} ({node.producer.state})", "exec")
+                run_id = node.producer.run_id
+                linked = base is not None and run_id
+                links[ex_key] = f"{base}/runs/{quote(run_id, safe='')}" if linked else None
             edges.add((ex_key, key))
             for child in node.inputs:
                 edges.add((visit(child, depth + 2), ex_key))
@@ -284,13 +391,15 @@ def lineage_svg(root: TraceNode) -> str:
         )
     for key, (_, label, kind) in nodes.items():
         x, y = where[key]
-        text = html.escape(label if len(label) <= 36 else label[:35] + "…")
-        parts.append(
+        text = html.escape(label if len(label) <= _LABEL_CHARS else label[: _LABEL_CHARS - 1] + "…")
+        node_svg = (
             f'<g class="node {kind}"><title>{html.escape(label)}</title>'
             f'<rect x="{x}" y="{y}" width="{_BOX_W}" height="{_BOX_H}" rx="{4 if kind != "exec" else 12}" '
             f'fill="{fill[kind]}" stroke="#57606a"/>'
             f'<text x="{x + 8}" y="{y + _BOX_H / 2 + 4}">{text}</text></g>'
         )
+        href = links.get(key)
+        parts.append(f'<a href="{html.escape(href)}">{node_svg}</a>' if href else node_svg)
     parts.append("</svg>")
     return "".join(parts)
 
@@ -322,9 +431,13 @@ def night_report(run_id: str) -> dict[str, Any] | None:
 
 def sweeps_page(runs: Sequence[RunSummary], base: str, night_id: str | None = None) -> str:
     """The sweep's nights, one night (``night_id``, default the newest) with its grid, fits and
-    plots, and every pre-registered forecast with its outcome, oldest night first."""
+    plots, and every pre-registered forecast with its outcome, oldest night first.
+    ``NotFound`` for a ``night_id`` that is no recorded night."""
     nights = [Night(r, night_report(r.run_id)) for r in runs if r.pipeline == SWEEP_DAG]
-    night = next((n for n in nights if n.run.run_id == night_id), nights[0] if nights else None)
+    night = next((n for n in nights if n.run.run_id == night_id), None)
+    if night_id is not None and night is None:  # a stale or mistyped link: never another night
+        raise NotFound(f"no {SWEEP_DAG} night {night_id!r} recorded")
+    night = night or (nights[0] if nights else None)
     forecasts = [
         {"night": n.run.run_id, "f": f}
         for n in sorted(nights, key=lambda n: n.run.started_at)

@@ -44,6 +44,7 @@ class StepRow:
     traceback_tail: str | None = None
     resumed_from_step: int | None = None
     last_checkpoint_step: int | None = None
+    task_id: str | None = None  # the Airflow task that ran it, where not the step's own name
 
     @property
     def cached(self) -> bool:
@@ -91,6 +92,33 @@ class RunView:
     failures: tuple[StepRow, ...]
     resume: Mapping[str, Any] | None  # the run summary's "resume" (None before it is written)
     summary_failed: tuple[Mapping[str, Any], ...]  # the run summary's failed steps, first first
+    # The latest train execution's output folder, recorded when it started: where the loss
+    # log of a run that failed mid-training is (its Training is None: no checkpoint recorded).
+    train_output: str | None = None
+    # What validate recorded on the run: "params" (the form's values) and "changed" (those
+    # not at the DAG form's defaults). Empty for runs recorded before it did.
+    run_properties: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def not_run(self) -> tuple[str, ...]:
+        """Steps the run summary says a rerun runs that never started in this run (those
+        after the failure), by name."""
+        ran = {row.name for row in self.steps}
+        rerun = [step_name(key) for key in (self.resume or {}).get("rerun") or ()]
+        return tuple(name for name in dict.fromkeys(rerun) if name not in ran)
+
+    @property
+    def metrics_dir(self) -> str | None:
+        """Where the trainer's ``metrics.jsonl`` is: the loss curve's source."""
+        return self.training.output_dir if self.training else self.train_output
+
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        return self.run_properties.get("params") or {}
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        return tuple(self.run_properties.get("changed") or ())
 
     @property
     def failed(self) -> bool:
@@ -110,6 +138,12 @@ class RunView:
         if self.failures:
             return {"step": self.failures[0].name, "error": self.failures[0].error}
         return None
+
+
+def step_name(key: str) -> str:
+    """``train-1a2b3c4d`` (a step's key in the run summary) -> ``train``."""
+    name, _, version = key.rpartition("-")
+    return name if name and len(version) == 8 else key
 
 
 def _tail(text: str | None, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
@@ -144,6 +178,7 @@ def _step_row(node: StepNode, attempts: int) -> StepRow:
         traceback_tail=_tail(ex.traceback),
         resumed_from_step=props.get("resumed_from_step"),
         last_checkpoint_step=props.get("last_checkpoint_step"),
+        task_id=props.get("task_id") if isinstance(props.get("task_id"), str) else None,
         **row,
     )
 
@@ -178,6 +213,11 @@ def _run_state(graph: RunGraph, summary: Mapping[str, Any]) -> str:
         return str(graph.run.state)
     failed = summary.get("state") == "FAILED"
     return str(ExecutionState.FAILED if failed else ExecutionState.COMPLETE)
+
+
+def _output(node: StepNode | None) -> str | None:
+    output = (node.execution.properties or {}).get("output") if node else None
+    return output if isinstance(output, str) else None
 
 
 def run_view(graph: RunGraph) -> RunView:
@@ -232,18 +272,20 @@ def run_view(graph: RunGraph) -> RunView:
         failures=tuple(r for r in rows if r.failed),
         resume=summary.get("resume"),
         summary_failed=tuple(summary.get("failed") or ()),
+        train_output=_output(latest.get("train")),
+        run_properties=dict(graph.run.properties),
     )
 
 
-def loss_curve(training: Training | None) -> list[tuple[int, float]]:
+def loss_curve(view: RunView) -> list[tuple[int, float]]:
     """(step, loss) from the trainer's ``metrics.jsonl`` (the last line per step wins, as a
     resumed run logs steps again); empty when there is no log (not trained yet, or gone)."""
-    if training is None or training.output_dir is None:
+    if view.metrics_dir is None:
         return []
     from trainer.rundir import read_metrics
 
     try:
-        records = read_metrics(training.output_dir)
+        records = read_metrics(view.metrics_dir)
     except OSError:
         return []
     return [(int(m["step"]), float(m["loss"])) for m in records if m.get("loss") is not None]

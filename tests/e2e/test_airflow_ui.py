@@ -134,9 +134,9 @@ def _the_run_report(af, page, run_id: str, states: dict, nodes: dict) -> None:
                         for f in ("in", "out", "dropped")
                     ]
                     want = [
-                        str(c["records_in"]),
-                        str(c["records_out"]),
-                        str(sum(c["dropped"].values())),
+                        f"{c['records_in']:,}",
+                        f"{c['records_out']:,}",
+                        f"{sum(c['dropped'].values()):,}",
                     ]
                     assert got == want, (name, got, want)
                     checked += 1
@@ -168,3 +168,7 @@ def _the_run_report(af, page, run_id: str, states: dict, nodes: dict) -> None:
                 raw,
             )
         assert page.locator("#lineage-graph svg g.node").count() >= 8
+        # a node of the graph leads on: a raw corpus to its own trace, naming who recorded it
+        page.locator("#lineage-graph svg a:has(g.node.raw)").first.click()
+        page.wait_for_url("**/slipway/trace?uri=*&version=*")
+        assert "written by fetch of run" in page.locator("#resolved").inner_text()

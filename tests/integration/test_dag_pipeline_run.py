@@ -139,6 +139,20 @@ def _first_run_completes(env):
     (report,) = [o.artifact for o in nodes["record"].outputs if o.artifact.type == "run_report"]
     body = Path(report.uri).read_text()
     assert 'id="loss-plot"' in body and "data:image/png;base64," in body
+    # Every task's "Slipway step" tab (#step-<task id>) opens at an element of the page.
+    from operators.pipeline.definition import PIPELINE
+
+    missing = [t.task_id for t in PIPELINE if f'id="step-{t.task_id}"' not in body]
+    assert not missing, missing
+    # validate recorded the values the run was triggered with on the run, for the page.
+    with LineageStore(f"sqlite:///{env['SLIPWAY_HOME']}/lineage.db") as store:
+        run = store.run_graph(run1).run
+    assert run.properties["params"]["steps"] == 6 and run.properties["params"]["batch_size"] == 4
+    # what tiny_conf sets, against the DAG's defaults; model_preset was left alone
+    changed = set(run.properties["changed"])
+    assert {"steps", "batch_size", "sources", "stage_configs"} <= changed, changed
+    assert "model_preset" not in changed, changed
+    assert 'id="settings"' in body
     printed = subprocess.run(
         [sys.executable, "-m", "operators.summary", run1],
         env=env,

@@ -17,11 +17,32 @@ from operators.lineage import LineageStore
 
 PIPELINE = "slipway_pipeline"
 TRAIN_STEPS = 20
+# The form's values as validate records them: a few at their defaults, three changed (one an
+# object too long to show inline).
+SETTINGS = {
+    "params": {
+        "model_preset": "nano",
+        "steps": TRAIN_STEPS,
+        "learning_rate": 0.01,
+        "seed": 0,
+        "stage_configs": {"quality": {"sources": {"brown": {"min_words": 3}}}, "tokenize": {}},
+        "model_name": "demo",
+    },
+    "changed": ["learning_rate", "stage_configs", "steps"],
+}
 
 
-def _step(store: LineageStore, name: str, run_id: str, t: datetime, version: str) -> int:
+def _step(
+    store: LineageStore, name: str, run_id: str, t: datetime, version: str, **properties: str
+) -> int:
+    """A step's execution started as the operators start it (``properties``: e.g. its output)."""
     return store.start_execution(
-        name, run_id=run_id, pipeline=PIPELINE, step_version=version, started_at=t
+        name,
+        run_id=run_id,
+        pipeline=PIPELINE,
+        step_version=version,
+        started_at=t,
+        properties=properties,
     )
 
 
@@ -37,6 +58,12 @@ def record_run(
     tick = timedelta(seconds=7)
     corpus = "file:///data/brown/brown.tar.gz"
     store.record_artifact(corpus, "dataset", version="sha256:" + "ab" * 32, content_hash="ab" * 32)
+
+    # validate records the run's settings on the run (operators/validate.py)
+    ex = store.start_execution(
+        "validate", run_id=run_id, pipeline=PIPELINE, started_at=t, run_properties=SETTINGS
+    )
+    store.finish_execution(ex, ended_at=t)
 
     ex = _step(store, "ingest", run_id, t, "11111111")
     store.record_input(ex, corpus, "dataset", version="sha256:" + "ab" * 32)
@@ -65,7 +92,7 @@ def record_run(
     with open(train_dir / "metrics.jsonl", "w") as f:
         for step in range(1, TRAIN_STEPS + 1):
             f.write(json.dumps({"step": step, "loss": 9.0 - 0.15 * step}) + "\n")
-    ex = _step(store, "train", run_id, t + 3 * tick, "44444444")
+    ex = _step(store, "train", run_id, t + 3 * tick, "44444444", output=str(train_dir))
     store.record_input(ex, tokens, "token_store")
     if fail_train:
         store.finish_execution(

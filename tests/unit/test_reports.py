@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from operators.lineage import LineageStore, NotFound
 from operators.reports import pages
 from operators.reports.static import write_run_report
 from operators.reports.view import loss_curve, run_view
-from tests.support.report_runs import TRAIN_STEPS, record_run
+from tests.support.report_runs import SETTINGS, TRAIN_STEPS, record_run
 
 
 class Cells(HTMLParser):
@@ -52,6 +53,11 @@ class Cells(HTMLParser):
         return {a["data-step"]: cells for a, cells in self.rows if "data-step" in a}
 
 
+def _words(html: Cells) -> str:
+    """The page's text as a reader sees it: one space between words, none before , or ."""
+    return re.sub(r" ([.,])", r"\1", " ".join(" ".join(html.text).split()))
+
+
 def parse(body: str) -> Cells:
     parser = Cells()
     parser.feed(body)
@@ -83,7 +89,7 @@ def test_the_run_page_shows_what_lineage_recorded(store):
                 for reason, n in c["dropped"].items():
                     assert f"{reason}={n}" in " ".join(cells)
     assert "cache hit" in " ".join(rows["quality"])
-    assert "51200" in rows["tokenize"]
+    assert "51,200" in rows["tokenize"]  # thousands separated
     (img,) = [i for i in html.images if i.get("id") == "loss-plot"]
     assert img["src"] == "/slipway/runs/good/loss.png"
     text = " ".join(html.text)
@@ -95,6 +101,44 @@ def test_the_run_page_shows_what_lineage_recorded(store):
     assert "trace it to its raw inputs" in text
     raw = [cells for _, cells in html.rows if cells and cells[0] == "dataset"]
     assert any("brown.tar.gz" in c[1] and c[2] == "ab" * 32 for c in raw), raw
+
+
+def test_the_run_page_and_the_runs_list_show_the_settings_a_run_was_triggered_with(store):
+    """validate records the form's values on the run: the run page lists them all (those
+    not at their defaults marked) and names the changed ones up top; the runs list names
+    them too, which tells a run from its neighbours."""
+    html = parse(pages.run_page(store, "good", "/s"))
+    text = " ".join(" ".join(html.text).split())
+    # an object's value is named, not inlined; scalars are shown
+    assert "Changed from the form's defaults: learning_rate=0.01, stage_configs, steps=20" in text
+    settings = {a["data-setting"]: (a.get("class"), c) for a, c in html.rows if "data-setting" in a}
+    params = SETTINGS["params"]
+    assert set(settings) == set(params)
+    for name, (css, cells) in settings.items():
+        assert (css == "changed") is (name in SETTINGS["changed"])
+        assert cells[1] == pages.fmt_setting(params[name])
+    assert json.loads(settings["stage_configs"][1][1]) == params["stage_configs"]
+    listed = parse(pages.runs_page(store.runs(), "/s"))
+    header = listed.rows[0][1]
+    column = header.index("settings changed from the defaults")
+    assert {c[0]: c[column] for _, c in listed.rows[1:]} == {
+        "good": "learning_rate=0.01, stage_configs, steps=20",
+        "bad <script>": "learning_rate=0.01, stage_configs, steps=20",
+    }
+
+
+def test_a_run_without_recorded_settings_shows_none(store):
+    """Runs recorded before validate recorded settings (or by a shell): no settings block."""
+    ex = store.start_execution("ingest", run_id="old", pipeline="slipway_pipeline")
+    store.finish_execution(ex)
+    body = pages.run_page(store, "old", "/s")
+    assert 'id="settings"' not in body and "Changed from" not in body
+    at_defaults = {"params": {"steps": 200}, "changed": []}
+    ex = store.start_execution("validate", run_id="plain", pipeline="p", run_properties=at_defaults)
+    store.finish_execution(ex)
+    assert "Every setting at the form's default." in pages.run_page(store, "plain", "/s")
+    many = {"params": {f"f{i}": i for i in range(9)}, "changed": [f"f{i}" for i in range(9)]}
+    assert pages.changed_settings(many, most=6) == "f0=0, f1=1, f2=2, f3=3, f4=4, f5=5 and 3 more"
 
 
 def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(store):
@@ -110,6 +154,15 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert rows["train"][1].startswith("FAILED")
     assert "last checkpoint: step 10" in rows["train"][-1]
     assert "traceback" in rows["train"][-1]
+    # the steps after the failure are listed, as not run (the summary's rerun list)
+    assert rows["evaluate"] == ["evaluate", "not run", "runs on a clear-and-rerun"]
+    assert list(rows)[-1] == "evaluate"
+    # No final checkpoint, but the loss logged before the failure is drawn.
+    assert "FAILED: no final checkpoint recorded; the loss the trainer logged before it " in text
+    (img,) = [i for i in html.images if i.get("id") == "loss-plot"]
+    assert img["src"] == "x.png"
+    view = run_view(store.run_graph("bad <script>"))
+    assert view.training is None and len(loss_curve(view)) == TRAIN_STEPS
 
 
 def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
@@ -168,6 +221,36 @@ def test_a_worse_promotion_many_drop_reasons_and_multiline_samples_read_well(sto
     assert ["def f():⏎", "⏎⏎"] in [cells for _, cells in html.rows]
 
 
+def test_a_score_well_under_chance_is_flagged_apart_from_one_at_chance(store):
+    """boolq's answers are 62% yes: a model answering "no" to all scores 0.38, which is no
+    skill in reverse. The page and the printed table mark it "below chance", apart from
+    "~chance", and say why; a task above chance gets neither."""
+    from operators.lineage.render import render_benchmarks
+
+    results = {
+        "boolq": {"n": 200, "acc": 0.38, "acc_stderr": 0.034, "chance": 0.5},
+        "piqa": {"n": 200, "acc": 0.52, "acc_stderr": 0.035, "chance": 0.5},
+        "arc_easy": {"n": 200, "acc": 0.41, "acc_stderr": 0.035, "chance": 0.25},
+    }
+    ex = store.start_execution("evaluate", run_id="odd", pipeline="slipway_pipeline")
+    for task, counts in results.items():
+        role = f"benchmark-{task}"
+        store.record_output(
+            ex, f"/steps/evaluate-odd/{role}.json", "eval_result", role=role, counts=counts
+        )
+    store.finish_execution(ex)
+    html = parse(pages.run_page(store, "odd", "/s"))
+    notes = {a["data-task"]: c[-1] for a, c in html.rows if "data-task" in a}
+    assert notes == {"boolq": "below chance", "piqa": "~chance", "arc_easy": ""}
+    assert "Below chance: more than two standard errors under it" in _words(html)
+    printed = render_benchmarks(list(results.items()))
+    marks = {line.split()[0]: line for line in printed[2:5]}
+    assert marks["boolq"].endswith("below chance") and marks["piqa"].endswith("~chance")
+    assert not marks["arc_easy"].endswith("chance")
+    assert printed[5].startswith("  1 of 3 within 2 standard errors of chance")
+    assert printed[6].startswith("  1 of 3 more than 2 standard errors under chance")
+
+
 def test_airflows_state_of_a_dag_run_is_the_one_shown(store):
     """Between two tasks of a running DAG run every step lineage has is done: the runs list
     and the run page show Airflow's state of the run (``ui.dag_run_states``) where it has
@@ -180,17 +263,35 @@ def test_airflows_state_of_a_dag_run_is_the_one_shown(store):
     assert [c[0] for _, c in running.rows[1:]] == ["good"]
     page = pages.run_page(store, "good", "/s", dag_run_state="RUNNING")
     assert '<span class="state state-RUNNING" id="run-state">RUNNING</span>' in page
+    # a running run's page reloads itself, and says so; a finished one and a file do not
+    assert f'<meta http-equiv="refresh" content="{pages.LIVE_REFRESH_S}">' in page
+    assert "refreshes every 30 s while the run is going" in page
+    for done in (pages.run_page(store, "good", "/s"), pages.run_page(store, "good", None)):
+        assert 'http-equiv="refresh"' not in done
+    assert 'http-equiv="refresh"' not in pages.run_page(
+        store, "good", None, dag_run_state="RUNNING"
+    )
 
 
-def test_the_tokenize_task_tab_opens_at_its_first_store(store):
-    """Airflow's "Slipway step" tab links #step-<task id>; the tokenize task's steps are
-    named tokens/<kind>/<source>, so its first row carries the task's anchor too."""
-    for name in ("tokens/train/brown", "tokens/heldout/brown"):
-        ex = store.start_execution(name, run_id="tok", pipeline="slipway_pipeline")
+def test_each_tasks_tab_opens_at_its_row(store):
+    """Airflow's "Slipway step" tab links #step-<task id>. A step named after its task is its
+    own anchor; the tokenize task's steps are named tokens/<kind>/<source> (and the sweep's
+    mapped cells cell/<label>), so the task's first row carries the task's anchor too; the
+    record task's output is the run's summary, at the top."""
+    for name, task in (
+        ("train", "train"),
+        ("tokens/train/brown", "tokenize"),
+        ("tokens/heldout/brown", "tokenize"),
+    ):
+        ex = store.start_execution(
+            name, run_id="tok", pipeline="slipway_pipeline", properties={"task_id": task}
+        )
         store.finish_execution(ex)
     body = pages.run_page(store, "tok", "/s")
-    assert body.count('id="step-tokenize"') == 1
+    assert body.count('id="step-tokenize"') == 1 and body.count('id="step-train"') == 1
     assert body.index('id="step-tokenize"') < body.index('id="step-tokens/heldout/brown"')
+    assert body.index('id="step-tokens/train/brown"') < body.index('id="step-tokenize"')
+    assert '<h1 id="step-record">' in body
 
 
 def test_the_runs_list_filters(store):
@@ -213,10 +314,24 @@ def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
     body = pages.trace_page(root, "/s")
     html = parse(body)
     raw = [c for _, c in html.rows if c and c[0] == "dataset"]
-    assert raw == [["dataset", "file:///data/brown/brown.tar.gz", "sha256:" + "ab" * 32, "ab" * 32]]
+    # a version that is the content hash says so, rather than print the 64 digits twice
+    assert raw == [
+        ["dataset", "file:///data/brown/brown.tar.gz", "sha256:(the content hash)", "ab" * 32]
+    ]
     assert "<svg" in body and body.count('class="node exec"') == 4  # ingest..train
     producers = [c for _, c in html.rows if len(c) == 7][1:]  # each execution once, in order
     assert [r[0] for r in producers] == ["ingest", "quality", "tokenize", "train"]
+    # The graph's nodes say which step's output they are, and lead on: an artifact to its
+    # own trace, a step to its run.
+    titles = re.findall(r"<title>([^<]*)</title>", body)
+    assert "dataset: quality-22222222" in titles and "dataset: brown.tar.gz" in titles
+    assert f"checkpoint: train-44444444/…/step-{TRAIN_STEPS:09d}" in titles, titles
+    links = re.findall(r'<a href="([^"]*)"><g class="node (\w+)">', body)
+    assert sorted(kind for _, kind in links) == ["artifact"] * 4 + ["exec"] * 4 + ["raw"]
+    assert ("/s/runs/good", "exec") in links
+    corpus = "/s/trace?uri=file%3A%2F%2F%2Fdata%2Fbrown%2Fbrown.tar.gz&amp;version=sha256%3A"
+    assert any(href.startswith(corpus) for href, _ in links), links
+    assert "<a " not in pages.lineage_svg(root)  # no base (the static report): no links
     with pytest.raises(NotFound):
         store.trace("file:///nothing", None)
 
@@ -235,7 +350,7 @@ def test_the_static_report_is_self_contained(store, tmp_path):
 
 def test_the_loss_curve_is_read_from_the_metrics_log(store):
     view = run_view(store.run_graph("good"))
-    curve = loss_curve(view.training)
+    curve = loss_curve(view)
     assert [s for s, _ in curve] == list(range(1, TRAIN_STEPS + 1))
     assert curve[0][1] == pytest.approx(8.85)
 
@@ -279,9 +394,47 @@ def test_the_app_serves_pages_plots_and_reports(client, store):
     assert client.get("/", params={"q": "x" * 300}).status_code == 422  # bounded input
     # No sweep recorded: the page says so; a plot that does not exist is a 404, and a run id
     # cannot name a folder outside the runs (run_folder makes it one safe path segment).
-    assert "No <span" in client.get("/sweeps").text
+    assert "make sweep-demo runs one night locally" in _words(parse(client.get("/sweeps").text))
+    # a night that is not recorded is a 404 naming it, never another night's page
+    missing = client.get("/sweeps", params={"night": "scheduled__nope"})
+    assert missing.status_code == 404 and "night 'scheduled__nope'" in missing.text
     assert client.get("/sweeps/..%2F..%2Fetc/isoflop.png").status_code == 404
     assert client.get("/sweeps/good/passwd.png").status_code == 404
+
+
+def _promote(store, run_id: str, version: str) -> None:
+    """A gate of ``run_id`` promoting model ``demo`` as the gate records it (the promoted
+    model's artifact, a new version of its URI; operators/promotion.py)."""
+    from operators.promotion import PROMOTED_MODEL, model_uri
+
+    ex = store.start_execution("gate", run_id=run_id, pipeline="slipway_pipeline")
+    props = {"name": "demo", "run_id": run_id}
+    store.record_output(ex, model_uri("demo"), PROMOTED_MODEL, version=version, properties=props)
+    promoted = {"uri": model_uri("demo"), "version": version}
+    store.finish_execution(ex, properties={"model_name": "demo", "promoted": promoted})
+
+
+def test_a_replaced_promotion_says_so_and_a_trace_names_the_version_it_resolved(client, store):
+    """A run whose model a later run replaced says so, linking the run now promoted; the
+    trace of the model's URI (no version asked: the latest) names the version, its run and
+    the other versions."""
+    _promote(store, "first", "promotion:1")
+    _promote(store, "second", "promotion:2")
+    first = parse(client.get("/runs/first").text)
+    text = _words(first)
+    assert "No longer the current model: replaced by @promotion:2, from run second" in text
+    assert 'href="/slipway/runs/second"' in client.get("/runs/first").text
+    assert "No longer the current model" not in client.get("/runs/second").text
+
+    page = client.get("/trace", params={"uri": "slipway://models/demo"}).text
+    text = _words(parse(page))
+    assert "Version @promotion:2 (the latest of 2), written by gate of run second" in text
+    assert "Other versions, newest first: @promotion:1." in text
+    assert "version=promotion%3A1" in page
+    asked = client.get("/trace", params={"uri": "slipway://models/demo", "version": "promotion:1"})
+    text = _words(parse(asked.text))
+    assert "Version @promotion:1, written by gate of run first" in text
+    assert "Other versions, newest first: @promotion:2." in text
 
 
 def test_a_browser_gets_error_pages_and_an_api_client_text(client):
