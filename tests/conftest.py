@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 # or transformers, which read these once, at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Airflow, imported in-process by many tests, makes its home (logs/, airflow.cfg) on import, in
+# ~/airflow unless told: a throwaway home keeps the suite inside its temporary folders, and no
+# test can lean on a developer's own Airflow. Tests that run Airflow give it their own home.
+_AIRFLOW_HOME = tempfile.mkdtemp(prefix="slipway-tests-airflow-")
+atexit.register(shutil.rmtree, _AIRFLOW_HOME, ignore_errors=True)
+os.environ["AIRFLOW_HOME"] = _AIRFLOW_HOME
 
 
 def tree_digest(root: Path) -> dict[str, str]:
