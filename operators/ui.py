@@ -38,7 +38,7 @@ from operators.lineage import LineageStore, NotFound
 from operators.reports import URL_PREFIX, pages
 from operators.reports.plots import DPI, PLOT_VERSION, SIZE_IN, loss_png
 from operators.reports.static import report_path
-from operators.reports.view import loss_curve, run_view
+from operators.reports.view import RESULT_TYPES, loss_curve, run_results, run_view
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,8 @@ def runs(
     live = dag_run_states(r.run_id for r in all_runs if r.pipeline)
     all_runs = pages.with_dag_run_states(all_runs, live)
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
-    return pages.runs_page(all_runs, _base(request), filters)
+    results = run_results(store().run_outputs(RESULT_TYPES))
+    return pages.runs_page(all_runs, _base(request), filters, results)
 
 
 @app.get("/runs/{run_id}", response_class=HTMLResponse)

@@ -221,6 +221,20 @@ class RunSummary:
 
 
 @dataclass(frozen=True)
+class RunOutput:
+    """One output of one execution of a run, as :meth:`LineageStore.run_outputs` lists them."""
+
+    run_id: str
+    execution_id: int
+    step: str  # the execution's name
+    role: str | None
+    type: str
+    uri: str
+    version: str
+    counts: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class RunGraph:
     run: RunSummary
     steps: tuple[StepNode, ...]  # in start order, which is a topological order of the run
@@ -670,6 +684,35 @@ class LineageStore:
             for run_id, rows in by_run.items()
         ]
         return sorted(summaries, key=lambda s: (s.started_at, s.run_id), reverse=True)
+
+    def run_outputs(self, types: Iterable[str]) -> list[RunOutput]:
+        """Every run's outputs of these artifact ``types``, in execution order: what a page
+        that lists many runs reads of their results, in one query (not a graph per run)."""
+        with self._read() as session:
+            rows = session.execute(
+                select(
+                    Execution.run_id,
+                    Execution.id,
+                    Execution.name,
+                    EventRow.role,
+                    Artifact.type,
+                    Artifact.uri,
+                    Artifact.version,
+                    Artifact.counts,
+                )
+                .join(EventRow, EventRow.execution_id == Execution.id)
+                .join(Artifact, Artifact.id == EventRow.artifact_id)
+                .where(
+                    Execution.run_id.is_not(None),
+                    EventRow.type == str(EventType.OUTPUT),
+                    Artifact.type.in_([str(t) for t in types]),
+                )
+                .order_by(Execution.id, EventRow.id)
+            ).all()
+        return [
+            RunOutput(run_id, ex_id, name, role, kind, uri, version or "", counts or {})
+            for run_id, ex_id, name, role, kind, uri, version, counts in rows
+        ]
 
     def run_graph(self, run_id: str) -> RunGraph:
         """The run's executions in start order, each with its input and output artifacts."""

@@ -36,7 +36,7 @@ from operators.lineage.store import (
 )
 from operators.promotion import Promotion, current_promotion
 from operators.reports.plots import loss_png
-from operators.reports.view import RunView, loss_curve, run_view, step_name
+from operators.reports.view import RunResult, RunView, loss_curve, run_view, step_name
 
 SWEEP_DAG = "slipway_scaling_sweep"
 SWEEP_PLOTS = ("isoflop", "scaling")
@@ -184,14 +184,22 @@ def with_dag_run_states(
     ]
 
 
-def runs_page(runs: Sequence[RunSummary], base: str, filters: RunFilters | None = None) -> str:
-    """Every run (``LineageStore.runs()``, newest first) that passes ``filters``."""
+def runs_page(
+    runs: Sequence[RunSummary],
+    base: str,
+    filters: RunFilters | None = None,
+    results: Mapping[str, RunResult] | None = None,
+) -> str:
+    """Every run (``LineageStore.runs()``, newest first) that passes ``filters``, with its
+    ``results`` (:func:`~operators.reports.view.run_results`, by run id) where it has some."""
     filters = filters or RunFilters()
     shown = [r for r in runs if filters.keep(r)]
     return _render(
         "runs.html",
         base,
         runs=shown,
+        results=results or {},
+        no_result=RunResult(),
         total=len(runs),
         filters=filters,
         pipelines=sorted({r.pipeline for r in runs if r.pipeline}),

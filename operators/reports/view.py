@@ -13,14 +13,20 @@ run's last task (the pipeline's ``record``, ``operators/record.py``; the sweep's
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from operators.lineage.render import evaluation_output
 from operators.lineage.schema import ArtifactType, ExecutionState
-from operators.lineage.store import ArtifactRecord, ExecutionRecord, RunGraph, StepNode
-from operators.promotion import gate_outcome
+from operators.lineage.store import (
+    ArtifactRecord,
+    ExecutionRecord,
+    RunGraph,
+    RunOutput,
+    StepNode,
+)
+from operators.promotion import MODEL_URI_PREFIX, Metrics, gate_outcome
 
 TRACEBACK_TAIL_LINES = 12
 RUN_SUMMARY = "run_summary"  # the artifact type of record's and the sweep check's summaries
@@ -289,3 +295,50 @@ def loss_curve(view: RunView) -> list[tuple[int, float]]:
     except OSError:
         return []
     return [(int(m["step"]), float(m["loss"])) for m in records if m.get("loss") is not None]
+
+
+# -- many runs at once: the runs list's results ---------------------------------------------
+
+# The outputs :func:`run_results` reads (``LineageStore.run_outputs``).
+RESULT_TYPES = (ArtifactType.CHECKPOINT, ArtifactType.EVAL_RESULT, ArtifactType.PROMOTED_MODEL)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A run's results in a line: the trained model's last loss, its mean held-out bits/byte
+    (the gate's measure), and the model it promoted (``name @version``)."""
+
+    train_loss: float | None = None
+    heldout_bits_per_byte: float | None = None
+    promoted: str | None = None
+
+
+def run_results(outputs: Iterable[RunOutput]) -> dict[str, RunResult]:
+    """Each run's :class:`RunResult`, from its ``train``, ``evaluate`` and ``gate`` outputs
+    (``outputs`` in execution order: of a step run several times, the last attempt's)."""
+    last: dict[tuple[str, str], list[RunOutput]] = {}  # (run, step) -> its last execution's
+    for out in outputs:
+        if out.step not in ("train", "evaluate", "gate"):
+            continue
+        kept = last.setdefault((out.run_id, out.step), [])
+        if kept and kept[0].execution_id != out.execution_id:
+            kept.clear()  # a later attempt of the step
+        kept.append(out)
+    found: dict[str, dict[str, Any]] = {}
+    for (run_id, step), outs in last.items():
+        result = found.setdefault(run_id, {})
+        if step == "train":
+            losses = [o.counts.get("loss_end") for o in outs if o.type == ArtifactType.CHECKPOINT]
+            result["train_loss"] = next((x for x in reversed(losses) if x is not None), None)
+        elif step == "evaluate":
+            stores = {
+                o.role: o.counts for o in outs if o.role and o.type == ArtifactType.EVAL_RESULT
+            }
+            metrics = Metrics.from_evaluation({"results": stores})
+            result["heldout_bits_per_byte"] = metrics.mean_bits_per_byte
+        else:
+            promoted = [o for o in outs if o.type == ArtifactType.PROMOTED_MODEL]
+            if promoted:
+                name = promoted[-1].uri.removeprefix(MODEL_URI_PREFIX)
+                result["promoted"] = f"{name} @{promoted[-1].version}"
+    return {run_id: RunResult(**fields) for run_id, fields in found.items()}

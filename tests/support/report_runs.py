@@ -137,6 +137,8 @@ def record_run(
 
     ex = _step(store, "gate", run_id, t + 7 * tick, None)
     promoted = {"uri": "slipway://models/demo", "version": "v-" + run_id}
+    # the promoted model, as operators/promotion.py records it (its own version of the URI)
+    store.record_output(ex, promoted["uri"], "promoted_model", version=promoted["version"])
     store.finish_execution(
         ex,
         properties={"model_name": "demo", "promoted": promoted, "gate": {"summary": "no criteria"}},

@@ -308,6 +308,34 @@ def test_the_runs_list_filters(store):
     assert good[6] == "1"  # one cache hit (quality)
 
 
+def test_the_runs_list_shows_each_runs_results(store):
+    """Train loss, held-out bits/byte (the gate's mean) and the promoted model, read in one
+    query for every run, from each step's last attempt."""
+    from operators.reports.view import RESULT_TYPES, run_results
+
+    # good's evaluate again, with a second held-out store: the last attempt is the one shown
+    ex = store.start_execution("evaluate", run_id="good", pipeline="slipway_pipeline")
+    for role, bpb in (("heldout-brown", 2.0), ("heldout-fortunes", 3.0)):
+        counts = {"bits_per_byte": bpb}
+        store.record_output(
+            ex, f"/steps/evaluate-2/{role}.json", "eval_result", role=role, counts=counts
+        )
+    store.finish_execution(ex)
+    results = run_results(store.run_outputs(RESULT_TYPES))
+    assert results["good"].train_loss == 6.0  # the checkpoint's loss_end, as recorded
+    assert results["good"].heldout_bits_per_byte == 2.5
+    assert results["good"].promoted == "demo @v-good"
+    assert "bad <script>" not in results  # failed before any result
+    html = parse(pages.runs_page(store.runs(), "/s", results=results))
+    header = html.rows[0][1]
+    rows = {c[0]: c for _, c in html.rows[1:]}
+    shown = [
+        rows["good"][header.index(h)] for h in ("train loss", "held-out bits/byte", "promoted")
+    ]
+    assert shown == ["6.0000", "2.5000", "demo @v-good"]
+    assert [rows["bad <script>"][header.index(h)] for h in ("train loss", "promoted")] == ["", ""]
+
+
 def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
     view = run_view(store.run_graph("good"))
     root = store.trace(view.training.checkpoint, view.training.checkpoint_version)
@@ -428,13 +456,13 @@ def test_a_replaced_promotion_says_so_and_a_trace_names_the_version_it_resolved(
 
     page = client.get("/trace", params={"uri": "slipway://models/demo"}).text
     text = _words(parse(page))
-    assert "Version @promotion:2 (the latest of 2), written by gate of run second" in text
-    assert "Other versions, newest first: @promotion:1." in text
+    assert "Version @promotion:2 (the latest of 3), written by gate of run second" in text
+    assert "Other versions, newest first: @promotion:1, @v-good." in text
     assert "version=promotion%3A1" in page
     asked = client.get("/trace", params={"uri": "slipway://models/demo", "version": "promotion:1"})
     text = _words(parse(asked.text))
     assert "Version @promotion:1, written by gate of run first" in text
-    assert "Other versions, newest first: @promotion:2." in text
+    assert "Other versions, newest first: @promotion:2, @v-good." in text
 
 
 def test_a_browser_gets_error_pages_and_an_api_client_text(client):
@@ -511,3 +539,22 @@ def test_the_loss_plot_is_drawn_once_per_curve_and_revalidated_by_etag(client, s
     grown = client.get("/runs/good/loss.png", headers={"If-None-Match": etag})
     assert grown.status_code == 200 and grown.headers["etag"] != etag and len(drawn) == 3
     assert drawn[2][-1] == (99, 1.5)
+
+
+def test_the_reports_benchmark_still_runs():
+    """``make bench`` stops at the first benchmark that fails: this one, through the app's
+    routes, broke unseen when they gained authorization. Run small, for its exit status and
+    its lines, never its times."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.bench.bench_reports", "--runs", "12", "--repeat", "1"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GET / (12 runs)" in done.stdout and "runs list with 12 runs:" in done.stdout
