@@ -154,11 +154,11 @@ _DAG_RUN_STATES = {
 _IN_CHUNK = 500  # run ids per IN (...) query: SQLite caps a statement's parameters
 
 
-def dag_run_states(run_ids: Iterable[str]) -> dict[tuple[str, str], str]:
-    """Airflow's own state of these DAG runs, by (dag id, run id), from its metadata
-    database (the API server's). The run's lifecycle is Airflow's: see
-    :func:`operators.reports.pages.with_dag_run_states`. Empty where the database cannot be
-    read: the pages then show lineage's states."""
+def dag_runs(run_ids: Iterable[str]) -> dict[tuple[str, str], pages.DagRun]:
+    """Airflow's own record of these DAG runs (state, start, end), by (dag id, run id), from
+    its metadata database (the API server's). The run's lifecycle is Airflow's: see
+    :func:`operators.reports.pages.with_dag_runs`. Empty where the database cannot be
+    read: the pages then show lineage's."""
     ids = sorted(set(run_ids))
     if not ids:
         return {}
@@ -167,18 +167,19 @@ def dag_run_states(run_ids: Iterable[str]) -> dict[tuple[str, str], str]:
         from airflow.utils.session import create_session
         from sqlalchemy import select
 
-        found: dict[tuple[str, str], str] = {}
+        found: dict[tuple[str, str], pages.DagRun] = {}
         with create_session() as session:
             for at in range(0, len(ids), _IN_CHUNK):
-                query = select(DagRun.dag_id, DagRun.run_id, DagRun.state).where(
-                    DagRun.run_id.in_(ids[at : at + _IN_CHUNK])
-                )
-                for dag_id, run_id, state in session.execute(query):
+                query = select(
+                    DagRun.dag_id, DagRun.run_id, DagRun.state, DagRun.start_date, DagRun.end_date
+                ).where(DagRun.run_id.in_(ids[at : at + _IN_CHUNK]))
+                for dag_id, run_id, state, started, ended in session.execute(query):
                     if state:
-                        found[dag_id, run_id] = _DAG_RUN_STATES.get(str(state), str(state).upper())
+                        shown = _DAG_RUN_STATES.get(str(state), str(state).upper())
+                        found[dag_id, run_id] = pages.DagRun(shown, started, ended)
         return found
     except Exception:
-        log.warning("Airflow's DAG run states could not be read; lineage's shown", exc_info=True)
+        log.warning("Airflow's DAG runs could not be read; lineage's states shown", exc_info=True)
         return {}
 
 
@@ -196,8 +197,8 @@ def runs(
         return _no_lineage(exc)
     allowed = readable({r.pipeline for r in all_runs if r.pipeline})
     all_runs = [r for r in all_runs if not r.pipeline or r.pipeline in allowed]
-    live = dag_run_states(r.run_id for r in all_runs if r.pipeline)
-    all_runs = pages.with_dag_run_states(all_runs, live)
+    live = dag_runs(r.run_id for r in all_runs if r.pipeline)
+    all_runs = pages.with_dag_runs(all_runs, live)
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
     results = run_results(store().run_outputs(RESULT_TYPES))
     return pages.runs_page(all_runs, _base(request), filters, results)
@@ -210,9 +211,9 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
     try:
         owners = store().run_owners(run_id)
         _require(readable, owners)
-        live = dag_run_states([run_id]) if owners else {}
-        state = next((live[o, run_id] for o in sorted(owners) if (o, run_id) in live), None)
-        return pages.run_page(store(), run_id, base, loss_src=loss_src, dag_run_state=state)
+        live = dag_runs([run_id]) if owners else {}
+        dag_run = next((live[o, run_id] for o in sorted(owners) if (o, run_id) in live), None)
+        return pages.run_page(store(), run_id, base, loss_src=loss_src, dag_run=dag_run)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
 

@@ -169,16 +169,37 @@ class RunFilters:
         )
 
 
-def with_dag_run_states(
-    runs: Sequence[RunSummary], states: Mapping[tuple[str, str], str]
+@dataclasses.dataclass(frozen=True)
+class DagRun:
+    """Airflow's own record of a DAG run: its state in the pages' words, and its times
+    (None until it has them: a queued run has not started)."""
+
+    state: str
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+
+def _as_airflow_has_it(run: Any, dag_run: DagRun) -> Any:
+    """``run`` (a :class:`RunSummary` or a run view) with Airflow's state and, once the DAG
+    run has started, its start and end: the times Airflow's own pages show beside ours."""
+    if dag_run.started_at is None:
+        return dataclasses.replace(run, state=dag_run.state)
+    return dataclasses.replace(
+        run, state=dag_run.state, started_at=dag_run.started_at, ended_at=dag_run.ended_at
+    )
+
+
+def with_dag_runs(
+    runs: Sequence[RunSummary], dag_runs: Mapping[tuple[str, str], DagRun]
 ) -> list[RunSummary]:
-    """``runs`` with the state Airflow gives each DAG run (``states``: by dag id and run id),
-    where it has one. Lineage sees only the steps that recorded something: between two
-    tasks of a running DAG run every recorded step is done, and the run would read COMPLETE;
-    and a step that failed once and passed on its retry leaves a FAILED execution behind."""
+    """``runs`` as Airflow has each DAG run (``dag_runs``: by dag id and run id), where it
+    has one. Lineage sees only the steps that recorded something: between two tasks of a
+    running DAG run every recorded step is done, and the run would read COMPLETE; a step that
+    failed once and passed on its retry leaves a FAILED execution behind; and the run's
+    first and last executions are not quite when Airflow started and ended it."""
     return [
-        dataclasses.replace(r, state=states[r.pipeline, r.run_id])
-        if r.pipeline and (r.pipeline, r.run_id) in states
+        _as_airflow_has_it(r, dag_runs[r.pipeline, r.run_id])
+        if r.pipeline and (r.pipeline, r.run_id) in dag_runs
         else r
         for r in runs
     ]
@@ -203,7 +224,7 @@ def runs_page(
         total=len(runs),
         filters=filters,
         pipelines=sorted({r.pipeline for r in runs if r.pipeline}),
-        states=[str(s) for s in ExecutionState],
+        states=["QUEUED", *(str(s) for s in ExecutionState)],  # QUEUED: Airflow's alone
     )
 
 
@@ -216,15 +237,15 @@ def run_page(
     base: str | None,
     *,
     loss_src: str | None = None,
-    dag_run_state: str | None = None,
+    dag_run: DagRun | None = None,
 ) -> str:
     """The run page (and the static report, with ``base=None``): ``loss_src`` is the loss
-    plot's URL; None draws it here, inline as a data URI. ``dag_run_state``: Airflow's state
-    of the DAG run, shown instead of lineage's (:func:`with_dag_run_states`). ``NotFound``
-    for an unknown run."""
+    plot's URL; None draws it here, inline as a data URI. ``dag_run``: Airflow's record of
+    the DAG run, whose state and times are shown instead of lineage's
+    (:func:`with_dag_runs`). ``NotFound`` for an unknown run."""
     view = run_view(store.run_graph(run_id))
-    if dag_run_state is not None and dag_run_state != view.state:
-        view = dataclasses.replace(view, state=dag_run_state)
+    if dag_run is not None:
+        view = _as_airflow_has_it(view, dag_run)
     if loss_src is None:
         loss_src = png_data_uri(loss_png(loss_curve(view)))
     return _render(

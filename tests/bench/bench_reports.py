@@ -56,7 +56,7 @@ def _client(store):
     # one indexed query on the API server's; here the pages show lineage's): the time is
     # the pages'.
     ui.app.dependency_overrides[ui.readable_dags] = lambda: set
-    ui.dag_run_states = lambda run_ids: {}
+    ui.dag_runs = lambda run_ids: {}
     return TestClient(ui.app, root_path="/slipway")
 
 

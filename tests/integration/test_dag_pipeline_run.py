@@ -170,9 +170,9 @@ def _first_run_completes(env):
             sys.executable,
             "-c",
             "import json, sys\n"
-            "from operators.ui import dag_run_states\n"
-            "found = dag_run_states([sys.argv[1], 'no-such-run'])\n"
-            "print(json.dumps([[*k, v] for k, v in found.items()]))",
+            "from operators.ui import dag_runs\n"
+            "found = dag_runs([sys.argv[1], 'no-such-run'])\n"
+            "print(json.dumps([[*k, v.state, v.started_at < v.ended_at] for k, v in found.items()]))",
             run1,
         ],
         env=env,
@@ -181,7 +181,7 @@ def _first_run_completes(env):
         text=True,
     )
     assert json.loads(dag_runs.stdout.splitlines()[-1]) == [
-        ["slipway_pipeline", run1, "COMPLETE"]
+        ["slipway_pipeline", run1, "COMPLETE", True]
     ], dag_runs.stderr[-3000:]
     ckpt = [o.artifact for o in nodes["train"].outputs if o.artifact.type == "checkpoint"]
     assert ckpt and ckpt[0].counts["loss_end"] is not None

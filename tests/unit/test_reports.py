@@ -251,26 +251,46 @@ def test_a_score_well_under_chance_is_flagged_apart_from_one_at_chance(store):
     assert printed[6].startswith("  1 of 3 more than 2 standard errors under chance")
 
 
-def test_airflows_state_of_a_dag_run_is_the_one_shown(store):
+def test_airflows_record_of_a_dag_run_is_the_one_shown(store):
     """Between two tasks of a running DAG run every step lineage has is done: the runs list
-    and the run page show Airflow's state of the run (``ui.dag_run_states``) where it has
-    one, and filter by it."""
+    and the run page show Airflow's state of the run (``ui.dag_runs``) where it has one, and
+    filter by it; once Airflow has started the run, its start and end are the ones shown
+    (lineage's first and last executions are not quite them)."""
+    from datetime import UTC, datetime
+
     runs = store.runs()
-    live = {("slipway_pipeline", "good"): "RUNNING"}
-    shown = pages.with_dag_run_states(runs, live)
-    assert {r.run_id: str(r.state) for r in shown} == {"good": "RUNNING", "bad <script>": "FAILED"}
-    running = parse(pages.runs_page(shown, "/s", pages.RunFilters(state="RUNNING")))
-    assert [c[0] for _, c in running.rows[1:]] == ["good"]
-    page = pages.run_page(store, "good", "/s", dag_run_state="RUNNING")
+    began = datetime(2026, 12, 1, 1, 59, 30, tzinfo=UTC)
+    live = {
+        ("slipway_pipeline", "good"): pages.DagRun("RUNNING", began),
+        ("slipway_pipeline", "bad <script>"): pages.DagRun("QUEUED"),  # not started
+    }
+    shown = {r.run_id: r for r in pages.with_dag_runs(runs, live)}
+    assert {k: str(r.state) for k, r in shown.items()} == {
+        "good": "RUNNING",
+        "bad <script>": "QUEUED",
+    }
+    assert (shown["good"].started_at, shown["good"].ended_at) == (began, None)
+    lineage_start = next(r.started_at for r in runs if r.run_id == "bad <script>")
+    assert shown["bad <script>"].started_at == lineage_start
+    listed = parse(pages.runs_page(list(shown.values()), "/s"))
+    good = next(c for _, c in listed.rows[1:] if c[0] == "good")
+    assert good[3:5] == ["2026-12-01 01:59:30", "running"]
+    running = parse(pages.runs_page(list(shown.values()), "/s", pages.RunFilters(state="QUEUED")))
+    assert [c[0] for _, c in running.rows[1:]] == ["bad <script>"]
+    page = pages.run_page(store, "good", "/s", dag_run=live["slipway_pipeline", "good"])
     assert '<span class="state state-RUNNING" id="run-state">RUNNING</span>' in page
+    assert "started 2026-12-01 01:59:30 UTC · running" in page
     # a running run's page reloads itself, and says so; a finished one and a file do not
     assert f'<meta http-equiv="refresh" content="{pages.LIVE_REFRESH_S}">' in page
     assert "refreshes every 30 s while the run is going" in page
     for done in (pages.run_page(store, "good", "/s"), pages.run_page(store, "good", None)):
         assert 'http-equiv="refresh"' not in done
     assert 'http-equiv="refresh"' not in pages.run_page(
-        store, "good", None, dag_run_state="RUNNING"
+        store, "good", None, dag_run=pages.DagRun("RUNNING")
     )
+    ended = datetime(2026, 12, 1, 2, 1, 30, tzinfo=UTC)
+    page = pages.run_page(store, "good", "/s", dag_run=pages.DagRun("COMPLETE", began, ended))
+    assert "started 2026-12-01 01:59:30 UTC · 2 min 00 s" in page
 
 
 def test_each_tasks_tab_opens_at_its_row(store):
@@ -396,7 +416,7 @@ def client(store, monkeypatch):
     monkeypatch.setattr(ui, "_store", store)
     # Airflow's DagRun states come from the API server's metadata database: read for real in
     # tests/integration/test_dag_pipeline_run.py; here there is none (lineage's states show)
-    monkeypatch.setattr(ui, "dag_run_states", lambda run_ids: {})
+    monkeypatch.setattr(ui, "dag_runs", lambda run_ids: {})
     ui.app.dependency_overrides[get_user] = lambda: object()
     # a user who may read every DAG (the auth manager's answer is the test's to give below)
     ui.app.dependency_overrides[ui.readable_dags] = lambda: set
