@@ -428,6 +428,15 @@ def current_promotion(store: Any, name: str, *, exclude_run: str | None = None) 
     ``exclude_run``: skip promotions that run made, so that a gate cleared and run again never
     takes its own earlier promotion for the model to beat.
     """
+    if exclude_run is None:  # the latest version alone: one row, however many promotions
+        from operators.lineage import NotFound
+
+        try:
+            latest = store.artifact(model_uri(name))
+        except NotFound:
+            return None
+        if latest.type == PROMOTED_MODEL:
+            return Promotion.from_artifact(latest)
     found = [p for p in promotions(store, name) if exclude_run is None or p.run_id != exclude_run]
     return found[-1] if found else None
 

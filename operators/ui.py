@@ -6,15 +6,19 @@ Every route depends on Airflow's ``get_user`` (the UI's session cookie, or a bea
 is sent to Airflow's login page, which brings it back. What a user sees is what Airflow's auth
 manager lets them read (:func:`readable_dags`): the runs list shows the runs of the DAGs they
 may read; a run, its plot and report, a trace (every run it passes through) and the sweep
-pages need read access to their DAGs, else 403. The pages themselves are
+pages need read access to their DAGs, else 403; and no page names a run of another DAG (a
+replacing promotion's, another version's writer) unless the user may read it. The pages themselves are
 ``operators/reports``' (no Airflow there); this module only wires them to HTTP.
 
-    /slipway/                       every run, filterable (?pipeline= &state= &q=)
-    /slipway/runs/<run_id>          one run: steps, loss curve, evaluation, benchmarks, samples,
-                                    the promotion decision; a failed run's cause and resume plan
+    /slipway/                       every run with its results and changed settings,
+                                    filterable (?pipeline= &state= &q=)
+    /slipway/runs/<run_id>          one run: settings, steps, loss curve, evaluation,
+                                    benchmarks, samples, the promotion decision (and whether a
+                                    later one replaced it); a failed run's cause and resume plan
     /slipway/runs/<run_id>/loss.png the loss curve (matplotlib, server-side; ETag, kept drawn)
     /slipway/runs/<run_id>/report.html  the run's static report, as the run wrote it
-    /slipway/trace?uri=&version=    an artifact traced back to its raw inputs, as a graph
+    /slipway/trace?uri=&version=    an artifact traced back to its raw inputs, as a graph; which
+                                    version, who wrote it, its other versions
     /slipway/sweeps[?night=]        the scaling sweep: grid, plots, fits, forecasts vs outcomes
     /slipway/sweeps/<run_id>/<plot>.png  a night's IsoFLOP or scaling plot
 """
@@ -38,7 +42,13 @@ from operators.lineage import LineageStore, NotFound
 from operators.reports import URL_PREFIX, pages
 from operators.reports.plots import DPI, PLOT_VERSION, SIZE_IN, loss_png
 from operators.reports.static import report_path
-from operators.reports.view import RESULT_TYPES, loss_curve, run_results, run_view
+from operators.reports.view import (
+    RESULT_STEPS,
+    RESULT_TYPES,
+    loss_curve,
+    run_results,
+    run_view,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +119,14 @@ def _require_runs(readable: Readable, run_ids: Iterable[str]) -> None:
     """403 unless the user may read the DAG of every one of ``run_ids``."""
     lineage = store()
     _require(readable, {owner for r in run_ids for owner in lineage.run_owners(r)})
+
+
+def _may_read_run(readable: Readable, run_id: str) -> bool:
+    try:
+        _require_runs(readable, [run_id])
+    except HTTPException:
+        return False
+    return True
 
 
 def _require_run_folder(readable: Readable, run_id: str) -> None:
@@ -200,7 +218,7 @@ def runs(
     live = dag_runs(r.run_id for r in all_runs if r.pipeline)
     all_runs = pages.with_dag_runs(all_runs, live)
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
-    results = run_results(store().run_outputs(RESULT_TYPES))
+    results = run_results(store().run_outputs(RESULT_STEPS, RESULT_TYPES))
     return pages.runs_page(all_runs, _base(request), filters, results)
 
 
@@ -213,7 +231,14 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
         _require(readable, owners)
         live = dag_runs([run_id]) if owners else {}
         dag_run = next((live[o, run_id] for o in sorted(owners) if (o, run_id) in live), None)
-        return pages.run_page(store(), run_id, base, loss_src=loss_src, dag_run=dag_run)
+        return pages.run_page(
+            store(),
+            run_id,
+            base,
+            loss_src=loss_src,
+            dag_run=dag_run,
+            may_read_run=lambda other: _may_read_run(readable, other),
+        )
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
 
@@ -287,18 +312,31 @@ def trace(
     request: Request,
     readable: Access,
     uri: str = Query("", max_length=4096),
-    version: str = Query(""),
+    version: str | None = Query(None, max_length=1024),
 ) -> Any:
+    """``version``: that version ("" is an artifact recorded without one); none: the latest."""
     if not uri:
         raise HTTPException(400, "Which artifact? Give its URI: /trace?uri=<uri>[&version=<v>]")
     try:
-        root = store().trace(uri, version or None)
+        root = store().trace(uri, version)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
     # a trace passes through other runs (the sweep's cells read the pipeline's steps)
     _require_runs(readable, {n.producer.run_id for n in pages.producers(root) if n.producer.run_id})
-    versions = store().artifact_versions(root.artifact.uri)
-    return pages.trace_page(root, _base(request), versions=versions, asked_version=version or None)
+    versions = _readable_versions(readable, store().version_writers(root.artifact.uri))
+    return pages.trace_page(root, _base(request), versions=versions, asked_version=version)
+
+
+def _readable_versions(readable: Readable, writers: list[tuple[str, set[str]]]) -> list[str]:
+    """The versions (of ``LineageStore.version_writers``) whose every writing run belongs to
+    a DAG the user may read: the others' names are not shown either."""
+    owners = store().owners_of({run for _, runs in writers for run in runs})
+    allowed = readable({o for found in owners.values() for o in found})
+    return [
+        version
+        for version, runs in writers
+        if all(owners.get(run, set()) <= allowed for run in runs)
+    ]
 
 
 @app.get("/sweeps", response_class=HTMLResponse)

@@ -62,7 +62,11 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         pipeline form's)."""
         from operators.pipeline.form import with_defaults
 
-        defaults = with_defaults(self.dag.params.dump() if self.has_dag() else {})
+        try:
+            defaults = with_defaults(self.dag.params.dump() if self.has_dag() else {})
+        except Exception:  # the run's settings are still worth recording, and the check
+            self.log.warning("the form's defaults could not be read", exc_info=True)
+            return []
         return sorted(k for k, v in params.items() if k not in defaults or defaults[k] != v)
 
     def refuse_undeclared(self, params: Any) -> None:

@@ -29,7 +29,8 @@ Postgres runs at READ COMMITTED (set on the engine, whatever the server default)
 JSON columns (counts, properties, configs) keep non-finite floats: a diverged run's NaN loss
 is a result to record, but Postgres refuses JSON's non-standard ``NaN`` token, so both
 databases store such a float as ``{"$float": "NaN"}`` and read it back as the float
-(:func:`_json_dumps`, :func:`_json_loads`).
+(:func:`_json_dumps`, :func:`_json_loads`). So an object of that one key holding ``"NaN"``,
+``"Infinity"`` or ``"-Infinity"`` is reserved: it reads back as the float.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from sqlalchemy import (
     Connection,
     Engine,
     MetaData,
+    case,
     create_engine,
     event,
     func,
@@ -685,10 +687,17 @@ class LineageStore:
         ]
         return sorted(summaries, key=lambda s: (s.started_at, s.run_id), reverse=True)
 
-    def run_outputs(self, types: Iterable[str]) -> list[RunOutput]:
-        """Every run's outputs of these artifact ``types``, in execution order: what a page
-        that lists many runs reads of their results, in one query (not a graph per run)."""
+    def run_outputs(self, steps: Iterable[str], types: Iterable[str]) -> list[RunOutput]:
+        """Every run's outputs of these artifact ``types`` from the latest attempt of each of
+        these ``steps`` (by execution name), in one query: what a page that lists many runs
+        reads of their results, not a graph per run. A latest attempt that wrote nothing (it
+        failed, or runs still) gives nothing: never an earlier attempt's results."""
         with self._read() as session:
+            latest = (
+                select(func.max(Execution.id))
+                .where(Execution.run_id.is_not(None), Execution.name.in_(list(steps)))
+                .group_by(Execution.run_id, Execution.name)
+            )
             rows = session.execute(
                 select(
                     Execution.run_id,
@@ -703,7 +712,7 @@ class LineageStore:
                 .join(EventRow, EventRow.execution_id == Execution.id)
                 .join(Artifact, Artifact.id == EventRow.artifact_id)
                 .where(
-                    Execution.run_id.is_not(None),
+                    Execution.id.in_(latest),
                     EventRow.type == str(EventType.OUTPUT),
                     Artifact.type.in_([str(t) for t in types]),
                 )
@@ -713,6 +722,29 @@ class LineageStore:
             RunOutput(run_id, ex_id, name, role, kind, uri, version or "", counts or {})
             for run_id, ex_id, name, role, kind, uri, version, counts in rows
         ]
+
+    def version_writers(self, uri: str) -> list[tuple[str, set[str]]]:
+        """Every recorded version of ``uri``, newest first, with the runs whose executions
+        output it (none for a version recorded outside a run): which versions a user may
+        be shown, without reading every version's full row."""
+        with self._read() as session:
+            rows = session.execute(
+                select(Artifact.id, Artifact.version, Execution.run_id)
+                .outerjoin(
+                    EventRow,
+                    (EventRow.artifact_id == Artifact.id)
+                    & (EventRow.type == str(EventType.OUTPUT)),
+                )
+                .outerjoin(Execution, Execution.id == EventRow.execution_id)
+                .where(Artifact.uri == uri)
+                .order_by(Artifact.id.desc())
+            ).all()
+        writers: dict[int, tuple[str, set[str]]] = {}
+        for artifact_id, version, run_id in rows:
+            _, runs = writers.setdefault(artifact_id, (version or "", set()))
+            if run_id is not None:
+                runs.add(run_id)
+        return list(writers.values())
 
     def run_graph(self, run_id: str) -> RunGraph:
         """The run's executions in start order, each with its input and output artifacts."""
@@ -783,13 +815,17 @@ class LineageStore:
         )
         if read_event is not None:
             query = query.where(EventRow.id < read_event)
-        producers = session.execute(query).all()
-        if not producers:
-            return TraceNode(record, None, ())
-        producer, _ = min(
-            producers,
-            key=lambda p: (_PRODUCER_PREFERENCE[ExecutionState(p[0].state)], -p[1]),
+        # The preferred producer, chosen by the database: a corpus every run's fetch recorded
+        # has as many producers as runs, and only one is needed.
+        preference = case(
+            {str(state): rank for state, rank in _PRODUCER_PREFERENCE.items()},
+            value=Execution.state,
+            else_=len(_PRODUCER_PREFERENCE),
         )
+        found = session.execute(query.order_by(preference, EventRow.id.desc()).limit(1)).first()
+        if found is None:
+            return TraceNode(record, None, ())
+        producer = found[0]
         if (artifact.id, producer.id) in seen:
             return seen[artifact.id, producer.id]
         inputs = session.execute(
@@ -857,6 +893,16 @@ class LineageStore:
         ``RunIdConflict`` existed."""
         with self._read() as session:
             return _run_owners(session, run_id)
+
+    def owners_of(self, run_ids: Iterable[str]) -> dict[str, set[str]]:
+        """:meth:`run_owners` of many runs in one query (a run without one is left out)."""
+        wanted = set(run_ids)
+        owners: dict[str, set[str]] = {}
+        with self._read() as session:
+            for run_id, pipeline in session.execute(_run_pipelines()).tuples():
+                if run_id in wanted:
+                    owners.setdefault(run_id, set()).add(pipeline)
+        return owners
 
     def run_ids(self) -> set[str]:
         """Every run id with an execution recorded."""
@@ -1137,6 +1183,8 @@ def _float_hook(obj: dict[str, Any]) -> Any:
 def _json_loads(text: str | bytes) -> Any:
     """The inverse of :func:`_json_dumps`; also reads bare ``NaN`` tokens (SQLite files written
     before the codec)."""
+    if _FLOAT_KEY not in (text if isinstance(text, str) else text.decode()):
+        return json.loads(text)  # no Python hook on every object: the usual case
     return json.loads(text, object_hook=_float_hook)
 
 

@@ -14,10 +14,10 @@ import html
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from operators.lineage.render import (
@@ -179,13 +179,21 @@ class DagRun:
     ended_at: datetime | None = None
 
 
-def _as_airflow_has_it(run: Any, dag_run: DagRun) -> Any:
-    """``run`` (a :class:`RunSummary` or a run view) with Airflow's state and, once the DAG
-    run has started, its start and end: the times Airflow's own pages show beside ours."""
-    if dag_run.started_at is None:
-        return dataclasses.replace(run, state=dag_run.state)
+_Run = TypeVar("_Run", RunSummary, RunView)
+_GOING = ("QUEUED", "RUNNING")  # Airflow's states of a DAG run that has not ended
+
+
+def _as_airflow_has_it(run: _Run, dag_run: DagRun) -> _Run:
+    """``run`` with Airflow's state and, once the DAG run has started, its start and end:
+    the times Airflow's own pages show beside ours (a cleared run's are its rerun's). A run
+    that has not ended has no end, whatever its earlier executions left."""
+    going = dag_run.state in _GOING
+    if dag_run.started_at is None:  # queued: lineage's start, if it has one
+        ended_at = None if going else run.ended_at
+        return dataclasses.replace(run, state=dag_run.state, ended_at=ended_at)
+    ended_at = None if going else dag_run.ended_at
     return dataclasses.replace(
-        run, state=dag_run.state, started_at=dag_run.started_at, ended_at=dag_run.ended_at
+        run, state=dag_run.state, started_at=dag_run.started_at, ended_at=ended_at
     )
 
 
@@ -193,16 +201,18 @@ def with_dag_runs(
     runs: Sequence[RunSummary], dag_runs: Mapping[tuple[str, str], DagRun]
 ) -> list[RunSummary]:
     """``runs`` as Airflow has each DAG run (``dag_runs``: by dag id and run id), where it
-    has one. Lineage sees only the steps that recorded something: between two tasks of a
-    running DAG run every recorded step is done, and the run would read COMPLETE; a step that
-    failed once and passed on its retry leaves a FAILED execution behind; and the run's
-    first and last executions are not quite when Airflow started and ended it."""
-    return [
+    has one, newest start first again. Lineage sees only the steps that recorded something:
+    between two tasks of a running DAG run every recorded step is done, and the run would
+    read COMPLETE; a step that failed once and passed on its retry leaves a FAILED execution
+    behind; and the run's first and last executions are not quite when Airflow started and
+    ended it."""
+    shown = [
         _as_airflow_has_it(r, dag_runs[r.pipeline, r.run_id])
         if r.pipeline and (r.pipeline, r.run_id) in dag_runs
         else r
         for r in runs
     ]
+    return sorted(shown, key=lambda s: (s.started_at, s.run_id), reverse=True)
 
 
 def runs_page(
@@ -238,24 +248,32 @@ def run_page(
     *,
     loss_src: str | None = None,
     dag_run: DagRun | None = None,
+    may_read_run: Callable[[str], bool] = lambda run_id: True,
 ) -> str:
     """The run page (and the static report, with ``base=None``): ``loss_src`` is the loss
     plot's URL; None draws it here, inline as a data URI. ``dag_run``: Airflow's record of
     the DAG run, whose state and times are shown instead of lineage's
-    (:func:`with_dag_runs`). ``NotFound`` for an unknown run."""
+    (:func:`with_dag_runs`); while Airflow says it is going, the page reloads itself.
+    ``may_read_run``: whether the reader may see another run (the one whose promotion
+    replaced this run's, named only if so). ``NotFound`` for an unknown run."""
     view = run_view(store.run_graph(run_id))
     if dag_run is not None:
         view = _as_airflow_has_it(view, dag_run)
     if loss_src is None:
         loss_src = png_data_uri(loss_png(loss_curve(view)))
+    replaced_by = promotion_replacing(store, view)
     return _render(
         "run.html",
         base,
         v=view,
         loss_src=loss_src,
         checkpoint_raw=checkpoint_raw_inputs(store, view),
-        replaced_by=promotion_replacing(store, view),
+        replaced_by=replaced_by,
+        replaced_by_shown=bool(
+            replaced_by and replaced_by.run_id and may_read_run(replaced_by.run_id)
+        ),
         sweep_dag=SWEEP_DAG,
+        live=base is not None and dag_run is not None and dag_run.state in _GOING,
         refresh_s=LIVE_REFRESH_S,
     )
 
@@ -293,15 +311,16 @@ def trace_page(
     root: TraceNode,
     base: str,
     *,
-    versions: Sequence[ArtifactRecord] = (),
+    versions: Sequence[str] = (),
     asked_version: str | None = None,
 ) -> str:
     """An artifact traced back to its raw inputs (``LineageStore.trace``): which version was
     traced and who wrote it, a graph, the raw inputs with their content hashes, and the
-    producers step by step with code version and container image. ``versions``: every
-    recorded version of the artifact's URI, oldest first (the newest others are linked);
-    ``asked_version``: the version the request named, None for "the latest"."""
-    others = [a for a in reversed(versions) if a.version != root.artifact.version]
+    producers step by step with code version and container image. ``versions``: the
+    recorded versions of the artifact's URI the reader may see, newest first (the newest
+    others are linked); ``asked_version``: the version the request named, None for "the
+    latest"."""
+    others = [v for v in versions if v != root.artifact.version]
     return _render(
         "trace.html",
         base,
@@ -312,6 +331,7 @@ def trace_page(
         asked_version=asked_version,
         version_count=len(versions),
         other_versions=others[:_OTHER_VERSIONS_SHOWN],
+        more_versions=max(0, len(others) - _OTHER_VERSIONS_SHOWN),
     )
 
 

@@ -12,6 +12,7 @@ run's last task (the pipeline's ``record``, ``operators/record.py``; the sweep's
 
 from __future__ import annotations
 
+import math
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from operators.lineage.store import (
     RunOutput,
     StepNode,
 )
-from operators.promotion import MODEL_URI_PREFIX, Metrics, gate_outcome
+from operators.promotion import HELDOUT_PREFIX, MODEL_URI_PREFIX, Metrics, gate_outcome
 
 TRACEBACK_TAIL_LINES = 12
 RUN_SUMMARY = "run_summary"  # the artifact type of record's and the sweep check's summaries
@@ -299,14 +300,17 @@ def loss_curve(view: RunView) -> list[tuple[int, float]]:
 
 # -- many runs at once: the runs list's results ---------------------------------------------
 
-# The outputs :func:`run_results` reads (``LineageStore.run_outputs``).
+# What :func:`run_results` reads (``LineageStore.run_outputs``): these steps' outputs of these
+# types, from each step's latest attempt.
+RESULT_STEPS = ("train", "evaluate", "gate")
 RESULT_TYPES = (ArtifactType.CHECKPOINT, ArtifactType.EVAL_RESULT, ArtifactType.PROMOTED_MODEL)
 
 
 @dataclass(frozen=True)
 class RunResult:
-    """A run's results in a line: the trained model's last loss, its mean held-out bits/byte
-    (the gate's measure), and the model it promoted (``name @version``)."""
+    """A pipeline run's results in a line: the trained model's last loss, its mean held-out
+    bits/byte (the gate's measure; NaN when a store's is not finite), and the model it
+    promoted (``name @version``)."""
 
     train_loss: float | None = None
     heldout_bits_per_byte: float | None = None
@@ -314,18 +318,13 @@ class RunResult:
 
 
 def run_results(outputs: Iterable[RunOutput]) -> dict[str, RunResult]:
-    """Each run's :class:`RunResult`, from its ``train``, ``evaluate`` and ``gate`` outputs
-    (``outputs`` in execution order: of a step run several times, the last attempt's)."""
-    last: dict[tuple[str, str], list[RunOutput]] = {}  # (run, step) -> its last execution's
+    """Each run's :class:`RunResult`, from the outputs of its latest ``train``, ``evaluate``
+    and ``gate`` (``LineageStore.run_outputs(RESULT_STEPS, RESULT_TYPES)``)."""
+    by_step: dict[tuple[str, str], list[RunOutput]] = {}
     for out in outputs:
-        if out.step not in ("train", "evaluate", "gate"):
-            continue
-        kept = last.setdefault((out.run_id, out.step), [])
-        if kept and kept[0].execution_id != out.execution_id:
-            kept.clear()  # a later attempt of the step
-        kept.append(out)
+        by_step.setdefault((out.run_id, out.step), []).append(out)
     found: dict[str, dict[str, Any]] = {}
-    for (run_id, step), outs in last.items():
+    for (run_id, step), outs in by_step.items():
         result = found.setdefault(run_id, {})
         if step == "train":
             losses = [o.counts.get("loss_end") for o in outs if o.type == ArtifactType.CHECKPOINT]
@@ -335,8 +334,11 @@ def run_results(outputs: Iterable[RunOutput]) -> dict[str, RunResult]:
                 o.role: o.counts for o in outs if o.role and o.type == ArtifactType.EVAL_RESULT
             }
             metrics = Metrics.from_evaluation({"results": stores})
-            result["heldout_bits_per_byte"] = metrics.mean_bits_per_byte
-        else:
+            mean = metrics.mean_bits_per_byte
+            if mean is None and any(m.startswith(HELDOUT_PREFIX) for m in metrics.missing):
+                mean = math.nan  # evaluated, but a store's value is not finite: not "blank"
+            result["heldout_bits_per_byte"] = mean
+        elif step == "gate":
             promoted = [o for o in outs if o.type == ArtifactType.PROMOTED_MODEL]
             if promoted:
                 name = promoted[-1].uri.removeprefix(MODEL_URI_PREFIX)

@@ -99,11 +99,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from operators.lineage import LineageStore
-    from operators.reports.view import RESULT_TYPES, run_view
+    from operators.reports.view import RESULT_STEPS, RESULT_TYPES, run_view
 
     logging.disable(logging.INFO)  # the test client logs one line per request otherwise
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-reports-"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench-reports-")
+    tmp = Path(scratch.name)
     os.environ["SLIPWAY_HOME"] = str(tmp)
     store = LineageStore(f"sqlite:///{tmp}/lineage.db")
     start = datetime(2026, 1, 1, tzinfo=UTC)
@@ -118,14 +119,16 @@ def main() -> None:
         )
         if i == 9:
             small = _median(_get(_client(store), "/"), args.repeat)
-    print(f"recorded {args.runs} runs in {time.perf_counter() - t0:.1f} s ({tmp}/lineage.db)")
+    print(f"recorded {args.runs} runs in {time.perf_counter() - t0:.1f} s (a temporary SQLite)")
 
     client = _client(store)
     one = f"run-{args.runs // 2:04d}"
     ckpt = run_view(store.run_graph(one)).training
     results = {
         "store.runs() alone": _median(store.runs, args.repeat),
-        "store.run_outputs() alone": _median(lambda: store.run_outputs(RESULT_TYPES), args.repeat),
+        "store.run_outputs() alone": _median(
+            lambda: store.run_outputs(RESULT_STEPS, RESULT_TYPES), args.repeat
+        ),
         "GET / (10 runs)": small,
         f"GET / ({args.runs} runs)": _median(_get(client, "/"), args.repeat),
         "GET /runs/<id>": _median(_get(client, f"/runs/{one}"), args.repeat),
@@ -152,6 +155,7 @@ def main() -> None:
         f"{listed / small:.1f}x the list at 10 runs"
     )
     store.close()
+    scratch.cleanup()
 
 
 if __name__ == "__main__":

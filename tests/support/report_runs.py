@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from operators.lineage import LineageStore
+from operators.promotion import PROMOTED_MODEL, model_uri, promotion_version
 
 PIPELINE = "slipway_pipeline"
 TRAIN_STEPS = 20
@@ -136,9 +137,17 @@ def record_run(
     store.finish_execution(ex, ended_at=t + 7 * tick)
 
     ex = _step(store, "gate", run_id, t + 7 * tick, None)
-    promoted = {"uri": "slipway://models/demo", "version": "v-" + run_id}
-    # the promoted model, as operators/promotion.py records it (its own version of the URI)
-    store.record_output(ex, promoted["uri"], "promoted_model", version=promoted["version"])
+    # the promoted model, as operators/promotion.py records it: a version of the model's URI
+    # of its own per gate execution, with the run that made it
+    promoted = {"uri": model_uri("demo"), "version": promotion_version(ex)}
+    store.record_output(
+        ex,
+        promoted["uri"],
+        PROMOTED_MODEL,
+        role="promoted",
+        version=promoted["version"],
+        properties={"name": "demo", "run_id": run_id, "pipeline": PIPELINE},
+    )
     store.finish_execution(
         ex,
         properties={"model_name": "demo", "promoted": promoted, "gate": {"summary": "no criteria"}},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -114,9 +115,17 @@ def test_the_run_page_and_the_runs_list_show_the_settings_a_run_was_triggered_wi
     settings = {a["data-setting"]: (a.get("class"), c) for a, c in html.rows if "data-setting" in a}
     params = SETTINGS["params"]
     assert set(settings) == set(params)
-    for name, (css, cells) in settings.items():
+    for name, (css, _) in settings.items():
         assert (css == "changed") is (name in SETTINGS["changed"])
-        assert cells[1] == pages.fmt_setting(params[name])
+    assert {name: cells[1] for name, (_, cells) in settings.items()} == {
+        "model_preset": "nano",  # strings bare
+        "steps": "20",
+        "learning_rate": "0.01",
+        "seed": "0",
+        "model_name": "demo",
+        # objects as JSON, keys sorted
+        "stage_configs": '{"quality": {"sources": {"brown": {"min_words": 3}}}, "tokenize": {}}',
+    }
     assert json.loads(settings["stage_configs"][1][1]) == params["stage_configs"]
     listed = parse(pages.runs_page(store.runs(), "/s"))
     header = listed.rows[0][1]
@@ -271,7 +280,14 @@ def test_airflows_record_of_a_dag_run_is_the_one_shown(store):
     }
     assert (shown["good"].started_at, shown["good"].ended_at) == (began, None)
     lineage_start = next(r.started_at for r in runs if r.run_id == "bad <script>")
-    assert shown["bad <script>"].started_at == lineage_start
+    # queued (cleared, say): lineage's start, and no end: it has not ended
+    assert (shown["bad <script>"].started_at, shown["bad <script>"].ended_at) == (
+        lineage_start,
+        None,
+    )
+    # newest start first, as shown: Airflow's start of "good" is before lineage's of "bad"
+    assert began < lineage_start
+    assert [r.run_id for r in pages.with_dag_runs(runs, live)] == ["bad <script>", "good"]
     listed = parse(pages.runs_page(list(shown.values()), "/s"))
     good = next(c for _, c in listed.rows[1:] if c[0] == "good")
     assert good[3:5] == ["2026-12-01 01:59:30", "running"]
@@ -285,6 +301,11 @@ def test_airflows_record_of_a_dag_run_is_the_one_shown(store):
     assert "refreshes every 30 s while the run is going" in page
     for done in (pages.run_page(store, "good", "/s"), pages.run_page(store, "good", None)):
         assert 'http-equiv="refresh"' not in done
+    # a run lineage thinks is running, with no DAG run to say so (a shell's run, or a stale
+    # RUNNING execution): no endless reloads
+    store.start_execution("ingest", run_id="shell", pipeline=None)
+    assert "RUNNING" in pages.run_page(store, "shell", "/s")
+    assert 'http-equiv="refresh"' not in pages.run_page(store, "shell", "/s")
     assert 'http-equiv="refresh"' not in pages.run_page(
         store, "good", None, dag_run=pages.DagRun("RUNNING")
     )
@@ -331,7 +352,8 @@ def test_the_runs_list_filters(store):
 def test_the_runs_list_shows_each_runs_results(store):
     """Train loss, held-out bits/byte (the gate's mean) and the promoted model, read in one
     query for every run, from each step's last attempt."""
-    from operators.reports.view import RESULT_TYPES, run_results
+    from operators.promotion import model_uri
+    from operators.reports.view import RESULT_STEPS, RESULT_TYPES, run_results
 
     # good's evaluate again, with a second held-out store: the last attempt is the one shown
     ex = store.start_execution("evaluate", run_id="good", pipeline="slipway_pipeline")
@@ -341,10 +363,11 @@ def test_the_runs_list_shows_each_runs_results(store):
             ex, f"/steps/evaluate-2/{role}.json", "eval_result", role=role, counts=counts
         )
     store.finish_execution(ex)
-    results = run_results(store.run_outputs(RESULT_TYPES))
+    results = run_results(store.run_outputs(RESULT_STEPS, RESULT_TYPES))
+    promoted = f"demo @{store.artifact(model_uri('demo')).version}"  # good's, the only one
     assert results["good"].train_loss == 6.0  # the checkpoint's loss_end, as recorded
     assert results["good"].heldout_bits_per_byte == 2.5
-    assert results["good"].promoted == "demo @v-good"
+    assert results["good"].promoted == promoted
     assert "bad <script>" not in results  # failed before any result
     html = parse(pages.runs_page(store.runs(), "/s", results=results))
     header = html.rows[0][1]
@@ -352,8 +375,32 @@ def test_the_runs_list_shows_each_runs_results(store):
     shown = [
         rows["good"][header.index(h)] for h in ("train loss", "held-out bits/byte", "promoted")
     ]
-    assert shown == ["6.0000", "2.5000", "demo @v-good"]
+    assert shown == ["6.0000", "2.5000", promoted]
     assert [rows["bad <script>"][header.index(h)] for h in ("train loss", "promoted")] == ["", ""]
+
+
+def test_the_runs_list_reads_each_steps_latest_attempt_even_without_results(store):
+    """A train rerun that failed, or runs still, has no checkpoint: the list shows no loss,
+    as the run page shows no training, not the earlier attempt's. A held-out store whose
+    bits/byte is not finite shows as nan, not blank (which reads "not evaluated")."""
+    from operators.reports.view import RESULT_STEPS, RESULT_TYPES, run_results
+
+    ex = store.start_execution("train", run_id="good", pipeline="slipway_pipeline")
+    store.finish_execution(ex, "FAILED", error="preempted")
+    ex = store.start_execution("evaluate", run_id="good", pipeline="slipway_pipeline")
+    for role, bpb in (("heldout-brown", 2.0), ("heldout-fortunes", float("nan"))):
+        store.record_output(
+            ex, f"/e/{role}.json", "eval_result", role=role, counts={"bits_per_byte": bpb}
+        )
+    store.finish_execution(ex)
+    results = run_results(store.run_outputs(RESULT_STEPS, RESULT_TYPES))
+    assert run_view(store.run_graph("good")).training is None
+    assert results["good"].train_loss is None
+    assert math.isnan(results["good"].heldout_bits_per_byte)
+    html = parse(pages.runs_page(store.runs(), "/s", results=results))
+    header = html.rows[0][1]
+    good = next(c for _, c in html.rows[1:] if c[0] == "good")
+    assert [good[header.index(h)] for h in ("train loss", "held-out bits/byte")] == ["", "nan"]
 
 
 def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
@@ -466,23 +513,70 @@ def test_a_replaced_promotion_says_so_and_a_trace_names_the_version_it_resolved(
     """A run whose model a later run replaced says so, linking the run now promoted; the
     trace of the model's URI (no version asked: the latest) names the version, its run and
     the other versions."""
-    _promote(store, "first", "promotion:1")
-    _promote(store, "second", "promotion:2")
+    from operators.promotion import model_uri
+
+    good = store.artifact(model_uri("demo")).version  # the fixture's run "good" promoted it
+    _promote(store, "first", "promotion:901")
+    _promote(store, "second", "promotion:902")
     first = parse(client.get("/runs/first").text)
     text = _words(first)
-    assert "No longer the current model: replaced by @promotion:2, from run second" in text
+    assert "No longer the current model: replaced by @promotion:902, from run second" in text
     assert 'href="/slipway/runs/second"' in client.get("/runs/first").text
     assert "No longer the current model" not in client.get("/runs/second").text
 
     page = client.get("/trace", params={"uri": "slipway://models/demo"}).text
     text = _words(parse(page))
-    assert "Version @promotion:2 (the latest of 3), written by gate of run second" in text
-    assert "Other versions, newest first: @promotion:1, @v-good." in text
-    assert "version=promotion%3A1" in page
-    asked = client.get("/trace", params={"uri": "slipway://models/demo", "version": "promotion:1"})
+    assert "Version @promotion:902 (the latest of 3), written by gate of run second" in text
+    assert f"Other versions, newest first: @promotion:901, @{good}." in text
+    assert "version=promotion%3A901" in page
+    asked = client.get(
+        "/trace", params={"uri": "slipway://models/demo", "version": "promotion:901"}
+    )
     text = _words(parse(asked.text))
-    assert "Version @promotion:1, written by gate of run first" in text
-    assert "Other versions, newest first: @promotion:2, @v-good." in text
+    assert "Version @promotion:901, written by gate of run first" in text
+    assert f"Other versions, newest first: @promotion:902, @{good}." in text
+
+
+def test_runs_of_unreadable_dags_are_not_named_through_promotions_or_versions(client, store):
+    """A promotion by a run of a DAG the user may not read replaces their run's model: the
+    page says so without naming that run, and the model's versions list leaves its version
+    out (its trace is refused as ever)."""
+    from operators import ui
+
+    ui.app.dependency_overrides[ui.readable_dags] = lambda: lambda dags: dags - {"secret_dag"}
+    ex = store.start_execution("gate", run_id="secret-42", pipeline="secret_dag")
+    props = {"name": "demo", "run_id": "secret-42"}
+    store.record_output(
+        ex, "slipway://models/demo", "promoted_model", version="promotion:secret", properties=props
+    )
+    store.finish_execution(ex)
+    page = client.get("/runs/good").text
+    assert "No longer the current model: a later promotion replaced it." in _words(parse(page))
+    assert "secret-42" not in page and "promotion:secret" not in page
+    assert client.get("/trace", params={"uri": "slipway://models/demo"}).status_code == 403
+    mine = store.artifact("slipway://models/demo", None)  # the latest: the secret one
+    assert mine.version == "promotion:secret"
+    good = store.executions("good")
+    gate = next(e for e in good if e.name == "gate")
+    version = gate.properties["promoted"]["version"]
+    traced = client.get("/trace", params={"uri": "slipway://models/demo", "version": version})
+    assert traced.status_code == 200 and "promotion:secret" not in traced.text
+    assert "(the latest of" not in traced.text  # one version visible: its own
+
+
+def test_an_unversioned_record_is_linked_as_such(client, store):
+    """An artifact recorded without a version ("") and later with one: the link to the
+    unversioned record opens it, not the latest."""
+    ex = store.start_execution("make", run_id="good", pipeline="slipway_pipeline")
+    store.record_output(ex, "/x/thing", "dataset")  # version ""
+    store.record_output(ex, "/x/thing", "dataset", version="v2")
+    store.finish_execution(ex)
+    latest = client.get("/trace", params={"uri": "/x/thing"}).text
+    assert "the unversioned record</a>" in latest and "version=&" not in latest
+    link = re.search(r'href="([^"]*)">the unversioned record</a>', latest).group(1)
+    assert link.endswith("&version=")
+    unversioned = client.get("/trace", params={"uri": "/x/thing", "version": ""}).text
+    assert "The unversioned record" in unversioned and "Version @v2" not in unversioned
 
 
 def test_a_browser_gets_error_pages_and_an_api_client_text(client):
