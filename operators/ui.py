@@ -52,7 +52,10 @@ from operators.reports.view import (
 
 log = logging.getLogger(__name__)
 
+# Sweep plots change once a night: a minute's caching is fine. A loss plot changes while its
+# run trains: always revalidated (its ETag makes that a cheap 304).
 PNG_HEADERS = {"Cache-Control": "private, max-age=60"}
+LOSS_PNG_HEADERS = {"Cache-Control": "private, no-cache"}
 
 app = FastAPI(
     title="Slipway reports",
@@ -289,7 +292,7 @@ def loss(request: Request, run_id: str, readable: Access) -> Response:
         raise HTTPException(404, str(exc.args[0])) from exc
     points = loss_curve(view)
     etag = _loss_etag(points)
-    headers = {**PNG_HEADERS, "ETag": etag}
+    headers = {**LOSS_PNG_HEADERS, "ETag": etag}
     if _etag_matches(request.headers.get("if-none-match", ""), etag):
         return Response(status_code=304, headers=headers)
     return Response(_cached_loss_png(etag, points), media_type="image/png", headers=headers)

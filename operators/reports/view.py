@@ -107,6 +107,13 @@ class RunView:
     run_properties: Mapping[str, Any] = field(default_factory=dict)
 
     @property
+    def heldout_bits_per_byte(self) -> float | None:
+        """The mean bits/byte over the held-out stores: the promotion gate's measure (and the
+        runs list's column)."""
+        metrics = Metrics.from_evaluation({"results": dict(self.evaluations)})
+        return metrics.mean_bits_per_byte
+
+    @property
     def not_run(self) -> tuple[str, ...]:
         """Steps the run summary says a rerun runs that never started in this run (those
         after the failure), by name."""
@@ -315,6 +322,9 @@ class RunResult:
     train_loss: float | None = None
     heldout_bits_per_byte: float | None = None
     promoted: str | None = None
+    promoted_uri: str | None = None
+    promoted_version: str | None = None
+    promoted_current: bool = False  # the model name's latest promotion among the runs
 
 
 def run_results(outputs: Iterable[RunOutput]) -> dict[str, RunResult]:
@@ -324,6 +334,7 @@ def run_results(outputs: Iterable[RunOutput]) -> dict[str, RunResult]:
     for out in outputs:
         by_step.setdefault((out.run_id, out.step), []).append(out)
     found: dict[str, dict[str, Any]] = {}
+    latest_promotion: dict[str, tuple[int, str]] = {}  # model URI -> (gate execution, run)
     for (run_id, step), outs in by_step.items():
         result = found.setdefault(run_id, {})
         if step == "train":
@@ -341,6 +352,13 @@ def run_results(outputs: Iterable[RunOutput]) -> dict[str, RunResult]:
         elif step == "gate":
             promoted = [o for o in outs if o.type == ArtifactType.PROMOTED_MODEL]
             if promoted:
-                name = promoted[-1].uri.removeprefix(MODEL_URI_PREFIX)
-                result["promoted"] = f"{name} @{promoted[-1].version}"
+                last = promoted[-1]
+                name = last.uri.removeprefix(MODEL_URI_PREFIX)
+                result["promoted"] = f"{name} @{last.version}"
+                result["promoted_uri"], result["promoted_version"] = last.uri, last.version
+                newest = latest_promotion.get(last.uri)
+                if newest is None or newest[0] < last.execution_id:
+                    latest_promotion[last.uri] = (last.execution_id, run_id)
+    for _, run_id in latest_promotion.values():
+        found[run_id]["promoted_current"] = True
     return {run_id: RunResult(**fields) for run_id, fields in found.items()}

@@ -89,10 +89,13 @@ def test_the_run_page_shows_what_lineage_recorded(store):
                 assert str(sum(c["dropped"].values())) in cells
                 for reason, n in c["dropped"].items():
                     assert f"{reason}={n}" in " ".join(cells)
-    assert "cache hit" in " ".join(rows["quality"])
+    assert rows["quality"][1] == "CACHED" and 'title="a cache hit' in body
     assert "51,200" in rows["tokenize"]  # thousands separated
     (img,) = [i for i in html.images if i.get("id") == "loss-plot"]
     assert img["src"] == "/slipway/runs/good/loss.png"
+    # the gate's measure, as the runs list shows it: the mean over the held-out stores
+    (mean,) = [c for a, c in html.rows if a.get("id") == "heldout-mean"]
+    assert mean[3] == "2.3100"
     text = " ".join(html.text)
     assert "Promoted" in text and "slipway://models/demo" in text
     bench = [cells for a, cells in html.rows if a.get("data-task") == "piqa"]
@@ -129,7 +132,7 @@ def test_the_run_page_and_the_runs_list_show_the_settings_a_run_was_triggered_wi
     assert json.loads(settings["stage_configs"][1][1]) == params["stage_configs"]
     listed = parse(pages.runs_page(store.runs(), "/s"))
     header = listed.rows[0][1]
-    column = header.index("settings changed from the defaults")
+    column = header.index("changed settings")
     assert {c[0]: c[column] for _, c in listed.rows[1:]} == {
         "good": "learning_rate=0.01, stage_configs, steps=20",
         "bad <script>": "learning_rate=0.01, stage_configs, steps=20",
@@ -146,6 +149,12 @@ def test_a_run_without_recorded_settings_shows_none(store):
     ex = store.start_execution("validate", run_id="plain", pipeline="p", run_properties=at_defaults)
     store.finish_execution(ex)
     assert "Every setting at the form's default." in pages.run_page(store, "plain", "/s")
+    listed = parse(pages.runs_page(store.runs(), "/s"))
+    column = listed.rows[0][1].index("changed settings")
+    shown = {c[0]: c[column] for _, c in listed.rows[1:]}
+    assert (shown["plain"], shown["old"]) == ("defaults", "")  # at defaults / not recorded
+    none = pages.runs_page(store.runs(), "/s", pages.RunFilters(q="no-such-run"))
+    assert "none matches the filter" in none
     many = {"params": {f"f{i}": i for i in range(9)}, "changed": [f"f{i}" for i in range(9)]}
     assert pages.changed_settings(many, most=6) == "f0=0, f1=1, f2=2, f3=3, f4=4, f5=5 and 3 more"
 
@@ -161,8 +170,11 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert "Training resumes from its checkpoint at step 10" in text
     rows = html.step_rows()
     assert rows["train"][1].startswith("FAILED")
-    assert "last checkpoint: step 10" in rows["train"][-1]
-    assert "traceback" in rows["train"][-1]
+    # the error spans the table in a row of its own, under the step's
+    assert rows["train"][-1] == "failed: see below"
+    error = next(c for a, c in html.rows if a.get("data-error-for") == "train")
+    assert "preempted" in error[0] and "last checkpoint: step 10" in error[0]
+    assert "traceback" in error[0]
     # the steps after the failure are listed, as not run (the summary's rerun list)
     assert rows["evaluate"] == ["evaluate", "not run", "runs on a clear-and-rerun"]
     assert list(rows)[-1] == "evaluate"
@@ -375,7 +387,7 @@ def test_the_runs_list_shows_each_runs_results(store):
     shown = [
         rows["good"][header.index(h)] for h in ("train loss", "held-out bits/byte", "promoted")
     ]
-    assert shown == ["6.0000", "2.5000", promoted]
+    assert shown == ["6.0000", "2.5000", f"{promoted} current"]  # good's is the latest
     assert [rows["bad <script>"][header.index(h)] for h in ("train loss", "promoted")] == ["", ""]
 
 
@@ -520,7 +532,8 @@ def test_a_replaced_promotion_says_so_and_a_trace_names_the_version_it_resolved(
     _promote(store, "second", "promotion:902")
     first = parse(client.get("/runs/first").text)
     text = _words(first)
-    assert "No longer the current model: replaced by @promotion:902, from run second" in text
+    assert "No longer the current model: the current one is @promotion:902, from run second" in text
+    assert '<div class="superseded" id="promoted">' in client.get("/runs/first").text
     assert 'href="/slipway/runs/second"' in client.get("/runs/first").text
     assert "No longer the current model" not in client.get("/runs/second").text
 
