@@ -34,7 +34,7 @@ from operators.lineage.store import (
     RunSummary,
     TraceNode,
 )
-from operators.promotion import Promotion, current_promotion
+from operators.promotion import PROMOTED_MODEL, Promotion, current_promotion
 from operators.reports.plots import loss_png
 from operators.reports.view import RunResult, RunView, loss_curve, run_view, step_name
 
@@ -321,18 +321,45 @@ def trace_page(
     others are linked); ``asked_version``: the version the request named, None for "the
     latest"."""
     others = [v for v in versions if v != root.artifact.version]
+    shown = cut_at_earlier_promotions(root)
+    leaves = shown.raw_inputs()
+    raw = [a for a in leaves if a.type != PROMOTED_MODEL]
     return _render(
         "trace.html",
         base,
         root=root,
-        raw=root.raw_inputs(),
-        graph_svg=lineage_svg(root, base),
-        producers=producers(root),
+        raw=raw,
+        # a version that is its content hash ("sha256:<hash>", as corpora's are) needs no column
+        version_column=any(
+            not (a.content_hash and a.version.endswith(a.content_hash)) for a in raw
+        ),
+        baselines=[a for a in leaves if a.type == PROMOTED_MODEL],
+        graph_svg=lineage_svg(shown, base),
+        producers=producers(shown),
         asked_version=asked_version,
+        latest_version=versions[0] if versions else None,
         version_count=len(versions),
         other_versions=others[:_OTHER_VERSIONS_SHOWN],
         more_versions=max(0, len(others) - _OTHER_VERSIONS_SHOWN),
     )
+
+
+def cut_at_earlier_promotions(root: TraceNode) -> TraceNode:
+    """The trace with every promoted model but ``root`` as a leaf. The gate reads the model it
+    may replace, so each promotion's trace holds every earlier promotion's whole chain (141
+    nodes after five): an earlier model is linked to its own trace instead."""
+    memo: dict[int, TraceNode] = {}
+
+    def cut(node: TraceNode, is_root: bool) -> TraceNode:
+        if id(node) not in memo:
+            if not is_root and node.artifact.type == PROMOTED_MODEL:
+                memo[id(node)] = TraceNode(node.artifact, None, ())  # one node, linked
+            else:
+                inputs = tuple(cut(child, False) for child in node.inputs)
+                memo[id(node)] = TraceNode(node.artifact, node.producer, inputs)
+        return memo[id(node)]
+
+    return cut(root, True)
 
 
 def producers(root: TraceNode) -> list[TraceNode]:

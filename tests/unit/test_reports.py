@@ -9,6 +9,7 @@ import math
 import re
 from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -421,9 +422,12 @@ def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
     body = pages.trace_page(root, "/s")
     html = parse(body)
     raw = [c for _, c in html.rows if c and c[0] == "dataset"]
-    # a version that is the content hash says so, rather than print the 64 digits twice
-    assert raw == [
-        ["dataset", "file:///data/brown/brown.tar.gz", "sha256:(the content hash)", "ab" * 32]
+    # versions that are their content hash ("sha256:<hash>") need no column of their own
+    assert raw == [["dataset", "file:///data/brown/brown.tar.gz", "ab" * 32]]
+    assert html.rows[[c for _, c in html.rows].index(raw[0]) - 1][1] == [
+        "type",
+        "input",
+        "content hash",
     ]
     assert "<svg" in body and body.count('class="node exec"') == 4  # ingest..train
     producers = [c for _, c in html.rows if len(c) == 7][1:]  # each execution once, in order
@@ -441,6 +445,39 @@ def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
     assert "<a " not in pages.lineage_svg(root)  # no base (the static report): no links
     with pytest.raises(NotFound):
         store.trace("file:///nothing", None)
+
+
+def test_a_promotions_trace_links_the_model_it_replaced_instead_of_tracing_it_again(store):
+    """The gate reads the model it may replace: each promotion's trace would hold every
+    earlier promotion's whole chain. The page draws the earlier model as one linked node,
+    names it as what the model was judged against, and leaves its chain to its own page."""
+    from operators.promotion import PROMOTED_MODEL, model_uri
+
+    def run(run_id: str, baseline: str | None) -> str:
+        ex = store.start_execution("train", run_id=run_id, pipeline="slipway_pipeline")
+        store.record_input(ex, "file:///data/brown/brown.tar.gz", "dataset")
+        store.record_output(ex, f"/steps/train-{run_id}/ckpt", "checkpoint", version=run_id)
+        store.finish_execution(ex)
+        gate = store.start_execution("gate", run_id=run_id, pipeline="slipway_pipeline")
+        store.record_input(gate, f"/steps/train-{run_id}/ckpt", "checkpoint", version=run_id)
+        if baseline:
+            store.record_input(gate, model_uri("demo"), PROMOTED_MODEL, version=baseline)
+        version = f"promotion:{gate}"
+        store.record_output(gate, model_uri("demo"), PROMOTED_MODEL, version=version)
+        store.finish_execution(gate)
+        return version
+
+    first = run("p1", None)
+    second = run("p2", first)
+    body = pages.trace_page(store.trace(model_uri("demo"), second), "/s")
+    html = parse(body)
+    producers = [c for _, c in html.rows if len(c) == 7][1:]
+    assert [(r[0], r[2]) for r in producers] == [("train", "p2"), ("gate", "p2")]
+    assert f"Judged against the model promoted before it: @{first}" in _words(html)
+    assert f"version={quote(first, safe='')}" in body
+    raw = [c[1] for _, c in html.rows if c and c[0] == "dataset"]
+    assert raw == ["file:///data/brown/brown.tar.gz"]  # the earlier model is no raw input
+    assert store.trace(model_uri("demo"), second).inputs[1].inputs  # lineage keeps the chain
 
 
 def test_the_static_report_is_self_contained(store, tmp_path):
@@ -546,7 +583,10 @@ def test_a_replaced_promotion_says_so_and_a_trace_names_the_version_it_resolved(
         "/trace", params={"uri": "slipway://models/demo", "version": "promotion:901"}
     )
     text = _words(parse(asked.text))
-    assert "Version @promotion:901, written by gate of run first" in text
+    assert (
+        "Version @promotion:901 (not the latest: @promotion:902 is), written by gate of run first"
+        in text
+    )
     assert f"Other versions, newest first: @promotion:902, @{good}." in text
 
 
