@@ -243,6 +243,11 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
             may_read_run=lambda other: _may_read_run(readable, other),
         )
     except NotFound as exc:
+        # Queued, or not yet at its first task: Airflow has the run, lineage does not yet.
+        pending = {dag: r for (dag, _), r in dag_runs([run_id]).items()}
+        shown = sorted(readable(set(pending)))
+        if shown:
+            return pages.pending_page(run_id, shown[0], pending[shown[0]], base)
         raise HTTPException(404, str(exc.args[0])) from exc
 
 

@@ -259,8 +259,10 @@ def run_page(
     view = run_view(store.run_graph(run_id))
     if dag_run is not None:
         view = _as_airflow_has_it(view, dag_run)
+    # How far a training without a final checkpoint got (failed, or still running).
+    curve = loss_curve(view) if view.training is None and view.train_output else []
     if loss_src is None:
-        loss_src = png_data_uri(loss_png(loss_curve(view)))
+        loss_src = png_data_uri(loss_png(curve or loss_curve(view)))
     replaced_by = promotion_replacing(store, view)
     return _render(
         "run.html",
@@ -269,11 +271,26 @@ def run_page(
         loss_src=loss_src,
         checkpoint_raw=checkpoint_raw_inputs(store, view),
         replaced_by=replaced_by,
+        last_logged=curve[-1] if curve else None,
         replaced_by_shown=bool(
             replaced_by and replaced_by.run_id and may_read_run(replaced_by.run_id)
         ),
         sweep_dag=SWEEP_DAG,
         live=base is not None and dag_run is not None and dag_run.state in _GOING,
+        refresh_s=LIVE_REFRESH_S,
+    )
+
+
+def pending_page(run_id: str, dag_id: str, dag_run: DagRun, base: str) -> str:
+    """A DAG run Airflow has but lineage does not yet (queued, or before its first task
+    recorded anything): its state, reloading while it is going."""
+    return _render(
+        "pending.html",
+        base,
+        run_id=run_id,
+        dag_id=dag_id,
+        dag_run=dag_run,
+        going=dag_run.state in _GOING,
         refresh_s=LIVE_REFRESH_S,
     )
 

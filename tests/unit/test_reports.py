@@ -181,6 +181,8 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert list(rows)[-1] == "evaluate"
     # No final checkpoint, but the loss logged before the failure is drawn.
     assert "FAILED: no final checkpoint recorded; the loss the trainer logged before it " in text
+    # how far it got: the last logged step of the run's steps, and its loss
+    assert f"Step {TRAIN_STEPS} of {TRAIN_STEPS}, loss 6.0000." in text
     (img,) = [i for i in html.images if i.get("id") == "loss-plot"]
     assert img["src"] == "x.png"
     view = run_view(store.run_graph("bad <script>"))
@@ -538,7 +540,9 @@ def test_the_app_serves_pages_plots_and_reports(client, store):
     assert client.get("/", params={"q": "x" * 300}).status_code == 422  # bounded input
     # No sweep recorded: the page says so; a plot that does not exist is a 404, and a run id
     # cannot name a folder outside the runs (run_folder makes it one safe path segment).
-    assert "make sweep-demo runs one night locally" in _words(parse(client.get("/sweeps").text))
+    empty = client.get("/sweeps").text
+    assert "make sweep-demo runs one night locally" in _words(parse(empty))
+    assert "No forecast pre-registered yet" in empty and 'id="forecasts"' not in empty
     # a night that is not recorded is a 404 naming it, never another night's page
     missing = client.get("/sweeps", params={"night": "scheduled__nope"})
     assert missing.status_code == 404 and "night 'scheduled__nope'" in missing.text
@@ -630,6 +634,28 @@ def test_an_unversioned_record_is_linked_as_such(client, store):
     assert link.endswith("&version=")
     unversioned = client.get("/trace", params={"uri": "/x/thing", "version": ""}).text
     assert "The unversioned record" in unversioned and "Version @v2" not in unversioned
+
+
+def test_a_run_airflow_has_but_lineage_not_yet_is_a_page_that_waits(client, monkeypatch):
+    """A queued DAG run has recorded nothing: its "Slipway report" tab says so and reloads,
+    instead of "Not found"; a run of a DAG the user may not read stays a 404."""
+    from operators import ui
+
+    queued = {
+        ("slipway_pipeline", "waiting"): pages.DagRun("QUEUED"),
+        ("secret_dag", "hidden"): pages.DagRun("QUEUED"),
+    }
+    monkeypatch.setattr(
+        ui, "dag_runs", lambda ids: {k: v for k, v in queued.items() if k[1] in set(ids)}
+    )
+    ui.app.dependency_overrides[ui.readable_dags] = lambda: lambda dags: dags - {"secret_dag"}
+    page = client.get("/runs/waiting")
+    assert page.status_code == 200
+    assert "none of its steps has recorded anything yet" in page.text
+    assert f'<meta http-equiv="refresh" content="{pages.LIVE_REFRESH_S}">' in page.text
+    assert 'id="run-state">QUEUED</span>' in page.text
+    assert client.get("/runs/hidden").status_code == 404
+    assert client.get("/runs/nothing").status_code == 404
 
 
 def test_a_browser_gets_error_pages_and_an_api_client_text(client):
