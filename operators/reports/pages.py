@@ -353,6 +353,7 @@ def trace_page(
         baselines=[a for a in leaves if a.type == PROMOTED_MODEL],
         graph_svg=lineage_svg(shown, base),
         producers=producers(shown),
+        wrote=outputs_by_producer(shown),
         asked_version=asked_version,
         latest_version=versions[0] if versions else None,
         version_count=len(versions),
@@ -396,6 +397,25 @@ def producers(root: TraceNode) -> list[TraceNode]:
 
     visit(root)
     return order
+
+
+def outputs_by_producer(root: TraceNode) -> dict[int, list[ArtifactRecord]]:
+    """What each execution of the trace wrote that the trace passes through, by execution id
+    (``fetch`` wrote every corpus file the trace reaches, not just the first)."""
+    wrote: dict[int, dict[int, ArtifactRecord]] = {}
+    seen: set[int] = set()
+
+    def visit(node: TraceNode) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if node.producer is not None:
+            wrote.setdefault(node.producer.id, {})[node.artifact.id] = node.artifact
+        for child in node.inputs:
+            visit(child)
+
+    visit(root)
+    return {ex: list(artifacts.values()) for ex, artifacts in wrote.items()}
 
 
 _BOX_W, _BOX_H, _GAP_X, _GAP_Y = 270, 30, 14, 26

@@ -32,6 +32,8 @@ from operators.promotion import HELDOUT_PREFIX, MODEL_URI_PREFIX, Metrics, gate_
 TRACEBACK_TAIL_LINES = 12
 RUN_SUMMARY = "run_summary"  # the artifact type of record's and the sweep check's summaries
 BAD_STATES = (ExecutionState.FAILED, ExecutionState.CANCELED)
+# Airflow's task states of a task that never ran in the run (None: no state at all).
+_NOT_RUN = (None, "upstream_failed", "skipped", "removed", "scheduled", "queued", "none")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class RunView:
     failures: tuple[StepRow, ...]
     resume: Mapping[str, Any] | None  # the run summary's "resume" (None before it is written)
     summary_failed: tuple[Mapping[str, Any], ...]  # the run summary's failed steps, first first
+    task_states: Mapping[str, str | None] = field(default_factory=dict)  # the summary's, by task
     # The latest train execution's output folder, recorded when it started: where the loss
     # log of a run that failed mid-training is (its Training is None: no checkpoint recorded).
     train_output: str | None = None
@@ -114,12 +117,17 @@ class RunView:
         return metrics.mean_bits_per_byte
 
     @property
-    def not_run(self) -> tuple[str, ...]:
-        """Steps the run summary says a rerun runs that never started in this run (those
-        after the failure), by name."""
-        ran = {row.name for row in self.steps}
+    def not_run(self) -> tuple[tuple[str, str], ...]:
+        """(name, why) of what never started in this run: the steps the run summary says a
+        rerun runs, and the tasks without steps (the gate) Airflow did not run, with the
+        state it gave them (``upstream_failed``)."""
+        ran = {row.name for row in self.steps} | {row.task_id for row in self.steps if row.task_id}
         rerun = [step_name(key) for key in (self.resume or {}).get("rerun") or ()]
-        return tuple(name for name in dict.fromkeys(rerun) if name not in ran)
+        found = {name: "runs on a clear-and-rerun" for name in rerun if name not in ran}
+        for task, state in self.task_states.items():
+            if task not in ran and task not in found and task != "record" and state in _NOT_RUN:
+                found[task] = f"Airflow: {state or 'no state'}; runs on a clear-and-rerun"
+        return tuple(found.items())
 
     @property
     def metrics_dir(self) -> str | None:
@@ -286,6 +294,7 @@ def run_view(graph: RunGraph) -> RunView:
         failures=tuple(r for r in rows if r.failed),
         resume=summary.get("resume"),
         summary_failed=tuple(summary.get("failed") or ()),
+        task_states=dict(summary.get("task_states") or {}),
         train_output=_output(latest.get("train")),
         run_properties=dict(graph.run.properties),
     )

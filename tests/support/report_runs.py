@@ -172,6 +172,10 @@ def _record_summary(store: LineageStore, run_id: str, t: datetime, *, failed: bo
             if failed
             else None,
         },
+        # Airflow's task states, as record reads them (a task with no steps: gate)
+        "task_states": {"train": "failed", "evaluate": "upstream_failed", "gate": "upstream_failed"}
+        if failed
+        else {"train": "success", "evaluate": "success", "gate": "success"},
     }
     ex = store.start_execution("record", run_id=run_id, pipeline=PIPELINE, started_at=t)
     store.record_output(ex, f"/runs/{run_id}/summary.json", "run_summary", properties=summary)

@@ -178,7 +178,13 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert "traceback" in error[0]
     # the steps after the failure are listed, as not run (the summary's rerun list)
     assert rows["evaluate"] == ["evaluate", "not run", "runs on a clear-and-rerun"]
-    assert list(rows)[-1] == "evaluate"
+    # and the tasks without steps that Airflow did not run, with the state it gave them
+    assert rows["gate"] == [
+        "gate",
+        "not run",
+        "Airflow: upstream_failed; runs on a clear-and-rerun",
+    ]
+    assert list(rows)[-2:] == ["evaluate", "gate"]
     # No final checkpoint, but the loss logged before the failure is drawn.
     assert "FAILED: no final checkpoint recorded; the loss the trainer logged before it " in text
     # how far it got: the last logged step of the run's steps, and its loss
@@ -480,6 +486,24 @@ def test_a_promotions_trace_links_the_model_it_replaced_instead_of_tracing_it_ag
     raw = [c[1] for _, c in html.rows if c and c[0] == "dataset"]
     assert raw == ["file:///data/brown/brown.tar.gz"]  # the earlier model is no raw input
     assert store.trace(model_uri("demo"), second).inputs[1].inputs  # lineage keeps the chain
+
+
+def test_a_step_that_wrote_several_inputs_lists_each(store):
+    """fetch records every corpus file as its output: its row in the producers table lists
+    each one the trace reaches, not only the first."""
+    fetch = store.start_execution("fetch", run_id="f", pipeline="slipway_pipeline")
+    for name in ("a.txt", "b.txt"):
+        store.record_output(fetch, f"file:///data/{name}", "dataset", version=name)
+    store.finish_execution(fetch)
+    ingest = store.start_execution("ingest", run_id="f", pipeline="slipway_pipeline")
+    for name in ("a.txt", "b.txt"):
+        store.record_input(ingest, f"file:///data/{name}", "dataset", version=name)
+    store.record_output(ingest, "/steps/ingest-f", "dataset", version="i")
+    store.finish_execution(ingest)
+    html = parse(pages.trace_page(store.trace("/steps/ingest-f"), "/s"))
+    rows = {c[0]: c for _, c in html.rows if len(c) == 7}
+    # (the cell text as parsed: one <div> per artifact, joined without a space)
+    assert rows["fetch"][6] == "dataset file:///data/a.txt @a.txtdataset file:///data/b.txt @b.txt"
 
 
 def test_the_static_report_is_self_contained(store, tmp_path):
