@@ -106,6 +106,9 @@ def main() -> None:
     scratch = tempfile.TemporaryDirectory(prefix="bench-reports-")
     tmp = Path(scratch.name)
     os.environ["SLIPWAY_HOME"] = str(tmp)
+    # The app imports Airflow, which makes its home on import: a throwaway one, not ~/airflow
+    # (the pages need none of it; a caller's own, as the tests', is kept).
+    os.environ.setdefault("AIRFLOW_HOME", str(tmp / "airflow"))
     store = LineageStore(f"sqlite:///{tmp}/lineage.db")
     start = datetime(2026, 1, 1, tzinfo=UTC)
     t0 = time.perf_counter()
