@@ -118,18 +118,18 @@ def _require(readable: Readable, pipelines: Iterable[str | None]) -> None:
         raise HTTPException(403, f"not allowed to read the runs of {', '.join(denied)}")
 
 
+def _run_owners(run_ids: Iterable[str]) -> set[str]:
+    return {owner for found in store().owners_of(run_ids).values() for owner in found}
+
+
 def _require_runs(readable: Readable, run_ids: Iterable[str]) -> None:
     """403 unless the user may read the DAG of every one of ``run_ids``."""
-    lineage = store()
-    _require(readable, {owner for r in run_ids for owner in lineage.run_owners(r)})
+    _require(readable, _run_owners(run_ids))
 
 
 def _may_read_run(readable: Readable, run_id: str) -> bool:
-    try:
-        _require_runs(readable, [run_id])
-    except HTTPException:
-        return False
-    return True
+    owners = _run_owners([run_id])
+    return owners <= readable(owners)
 
 
 def _require_run_folder(readable: Readable, run_id: str) -> None:

@@ -895,12 +895,14 @@ class LineageStore:
             return _run_owners(session, run_id)
 
     def owners_of(self, run_ids: Iterable[str]) -> dict[str, set[str]]:
-        """:meth:`run_owners` of many runs in one query (a run without one is left out)."""
-        wanted = set(run_ids)
+        """:meth:`run_owners` of many runs, a query per ``_IN_CHUNK`` of them (a run without
+        one is left out)."""
+        wanted = sorted(set(run_ids))
         owners: dict[str, set[str]] = {}
         with self._read() as session:
-            for run_id, pipeline in session.execute(_run_pipelines()).tuples():
-                if run_id in wanted:
+            for at in range(0, len(wanted), _IN_CHUNK):
+                query = _run_pipelines().where(_RUN_CONTEXT.c.name.in_(wanted[at : at + _IN_CHUNK]))
+                for run_id, pipeline in session.execute(query).tuples():
                     owners.setdefault(run_id, set()).add(pipeline)
         return owners
 
@@ -938,11 +940,15 @@ class LineageStore:
         return {name: props for name, props in session.execute(query).tuples() if props}
 
 
+_RUN_CONTEXT = Context.__table__.alias("run")  # _run_pipelines' run side, for callers' filters
+_PIPELINE_CONTEXT = Context.__table__.alias("pipe")
+_IN_CHUNK = 500  # values per IN (...): SQLite caps a statement's parameters
+
+
 def _run_pipelines(run_id: str | None = None) -> Any:
     """(run id, pipeline) of every link from a run context to its pipeline (one run's with
-    ``run_id``)."""
-    run = Context.__table__.alias("run")
-    pipe = Context.__table__.alias("pipe")
+    ``run_id``; filter on ``_RUN_CONTEXT.c.name`` for others)."""
+    run, pipe = _RUN_CONTEXT, _PIPELINE_CONTEXT
     query = (
         select(run.c.name, pipe.c.name)
         .join(ContextParent, ContextParent.child_id == run.c.id)
@@ -1183,7 +1189,8 @@ def _float_hook(obj: dict[str, Any]) -> Any:
 def _json_loads(text: str | bytes) -> Any:
     """The inverse of :func:`_json_dumps`; also reads bare ``NaN`` tokens (SQLite files written
     before the codec)."""
-    if _FLOAT_KEY not in (text if isinstance(text, str) else text.decode()):
+    key = _FLOAT_KEY if isinstance(text, str) else _FLOAT_KEY.encode()
+    if key not in text:
         return json.loads(text)  # no Python hook on every object: the usual case
     return json.loads(text, object_hook=_float_hook)
 

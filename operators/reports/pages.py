@@ -20,6 +20,8 @@ from functools import cache
 from typing import Any, TypeVar
 from urllib.parse import quote
 
+from markupsafe import Markup
+
 from operators.lineage.render import (
     BELOW_CHANCE_NOTE,
     CHANCE_NOTE,
@@ -67,6 +69,7 @@ def _env() -> Any:
         chance_note=CHANCE_NOTE,
         below_chance_note=BELOW_CHANCE_NOTE,
         changed_settings=changed_settings,
+        trace_href=_trace_link,
     )
     return env
 
@@ -259,10 +262,10 @@ def run_page(
     view = run_view(store.run_graph(run_id))
     if dag_run is not None:
         view = _as_airflow_has_it(view, dag_run)
-    # How far a training without a final checkpoint got (failed, or still running).
-    curve = loss_curve(view) if view.training is None and view.train_output else []
+    unfinished = view.training is None and view.train_output is not None
+    curve = loss_curve(view) if unfinished or loss_src is None else []  # read once
     if loss_src is None:
-        loss_src = png_data_uri(loss_png(curve or loss_curve(view)))
+        loss_src = png_data_uri(loss_png(curve))
     replaced_by = promotion_replacing(store, view)
     return _render(
         "run.html",
@@ -271,7 +274,8 @@ def run_page(
         loss_src=loss_src,
         checkpoint_raw=checkpoint_raw_inputs(store, view),
         replaced_by=replaced_by,
-        last_logged=curve[-1] if curve else None,
+        # how far a training without a final checkpoint got (failed, or still running)
+        last_logged=curve[-1] if unfinished and curve else None,
         replaced_by_shown=bool(
             replaced_by and replaced_by.run_id and may_read_run(replaced_by.run_id)
         ),
@@ -437,10 +441,19 @@ def short_uri(uri: str) -> str:
     return "/".join([parts[folder], *(["…"] if folder < len(parts) - 2 else []), parts[-1]])
 
 
-def _trace_href(base: str | None, artifact: ArtifactRecord) -> str | None:
+def trace_href(base: str | None, uri: str, version: str | None = None) -> str | None:
+    """The trace page of ``uri`` (at ``version``; None: the latest), or None without pages to
+    link to (the static report). Every link to a trace is this one (the templates' too)."""
     if base is None:
         return None
-    return f"{base}/trace?uri={quote(artifact.uri, safe='')}&version={quote(artifact.version, safe='')}"
+    href = f"{base}/trace?uri={quote(uri, safe='')}"
+    return href if version is None else f"{href}&version={quote(version, safe='')}"
+
+
+def _trace_link(base: str | None, uri: str, version: str | None = None) -> Markup:
+    """:func:`trace_href` for the templates: percent-encoded past the mount path, so nothing
+    is left to escape, and its ``&`` stays as the pages always wrote it."""
+    return Markup(trace_href(base, uri, version) or "")
 
 
 def lineage_svg(root: TraceNode, base: str | None = None) -> str:
@@ -464,7 +477,7 @@ def lineage_svg(root: TraceNode, base: str | None = None) -> str:
             kind = "raw" if node.producer is None or not node.inputs else "artifact"
             label = f"{node.artifact.type}: {short_uri(node.artifact.uri)}"
             nodes[key] = (depth, label, kind)
-            links[key] = _trace_href(base, node.artifact)
+            links[key] = trace_href(base, node.artifact.uri, node.artifact.version)
         if node.producer is not None:
             ex_key = f"e{node.producer.id}"
             ex_prev = nodes.get(ex_key)

@@ -111,8 +111,8 @@ class RunView:
 
     @property
     def heldout_bits_per_byte(self) -> float | None:
-        """The mean bits/byte over the held-out stores: the promotion gate's measure (and the
-        runs list's column)."""
+        """The mean bits/byte over the held-out stores: the promotion gate's measure (None
+        when a store's is not finite; the runs list shows that case as nan)."""
         metrics = Metrics.from_evaluation({"results": dict(self.evaluations)})
         return metrics.mean_bits_per_byte
 
