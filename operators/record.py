@@ -112,7 +112,9 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
     def _train_still_ending(self, ex: Any) -> bool:
         """A training task killed from the UI (closed by the listener) whose process is still
         ending: it has not recorded where training resumes, and it still holds the step's
-        lease. A task whose process died holds a lease nobody renews: nothing to wait for."""
+        lease. A task whose process died (its worker killed) will record nothing: where its
+        lease names a process of this machine that is gone, there is nothing to wait for;
+        elsewhere the wait ends when the lease expires, or after the grace."""
         if ex is None or ex.properties.get("closed_by") != "listener":
             return False
         if "resumable" in ex.properties:
@@ -126,7 +128,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         if not output:
             return False
         lease = current_lease(store_for(output), output)
-        return lease is not None and lease.live(time.time())
+        return lease is not None and lease.live(time.time()) and not lease.holder_exited()
 
     def _wait_for_train_ending(self, store: Any, run_id: str, ex: Any) -> Any:
         """Wait (bounded) for a killed training task to record its checkpoint, so that the

@@ -35,6 +35,7 @@ from operators.steps.lease import (
     current_lease,
     probe,
     read_status,
+    this_process,
 )
 from operators.steps.plan import Action, PlanEntry, decide, format_plan, plan
 from operators.steps.runner import Outcome, StepResult, StepRunner, default_owner
@@ -92,5 +93,6 @@ __all__ = [
     "resolve",
     "step_version",
     "store_for",
+    "this_process",
     "topological",
 ]

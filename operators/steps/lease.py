@@ -13,11 +13,13 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import threading
 import time
 import traceback as tb
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from operators.steps.errors import LeaseLost
@@ -41,6 +43,40 @@ class Status(enum.StrEnum):
 UNREADABLE_LEASE_S = 600.0
 
 
+def this_process() -> str | None:
+    """This process, as :attr:`Lease.holder` names it: ``<boot id>:<pid namespace>:<pid>``.
+
+    The kernel's boot id and the pid namespace make the pid mean one process on one machine
+    (a host name does not: containers and pods share them). None where Linux's ``/proc``
+    cannot tell.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return f"{boot}:{namespace}:{os.getpid()}"
+
+
+def process_exited(process: str) -> bool:
+    """Whether ``process`` (:func:`this_process` of some process) is known to have exited:
+    it ran under this kernel and pid namespace, and its pid is gone. False when that cannot
+    be told (another machine or container) or the pid is in use (perhaps reused)."""
+    here = this_process()
+    if here is None:
+        return False
+    machine, _, pid = process.rpartition(":")
+    if machine != here.rpartition(":")[0] or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists, as another user's process
+        return False
+    return False
+
+
 @dataclass(frozen=True)
 class Lease:
     """Generation ``generation`` of a step's lease; the highest existing generation rules."""
@@ -49,9 +85,18 @@ class Lease:
     owner: str
     expires_at: float  # wall clock (time.time): runners on several hosts need synced clocks
     released: bool = False
+    # The process whose heartbeat thread renews the lease (this_process()); None when another
+    # process may renew it (a deferred task's trigger) or nobody can tell.
+    holder: str | None = None
 
     def live(self, now: float) -> bool:
         return not self.released and now < self.expires_at
+
+    def holder_exited(self) -> bool:
+        """Nobody will renew it again: its heartbeat's process is known to be gone (killed
+        with its worker). It still counts as held until it expires: the lease protocol
+        takes nothing over early; a reader that only waits for the holder may stop."""
+        return self.holder is not None and process_exited(self.holder)
 
 
 @dataclass(frozen=True)
@@ -94,6 +139,9 @@ class StepState:
     lease: Lease | None
 
 
+_LEASE_FIELDS = frozenset(f.name for f in fields(Lease))
+
+
 def _lease_path(out: str, generation: int) -> str:
     return join(out, f"{LEASE_PREFIX}{generation:06d}")
 
@@ -107,8 +155,10 @@ def _read_lease(store: Store, out: str, generation: int) -> Lease | None:
     if data is None:
         return None
     try:
-        return Lease(**json.loads(data))
-    except (ValueError, TypeError):
+        body = json.loads(data)
+        # Fields a later version may add are ignored, not an unreadable lease.
+        return Lease(**{k: v for k, v in body.items() if k in _LEASE_FIELDS})
+    except (ValueError, TypeError, AttributeError):
         # A lease file being created without content (the O_EXCL fallback): held while its
         # creator may still be writing it; one killed in between left it empty for good, so
         # after UNREADABLE_LEASE_S it is stale and the next generation takes over.
@@ -173,6 +223,9 @@ class HeldLease:
     generation: int
     started_at: float
     lease_seconds: float
+    # Lease.holder: this_process() where the heartbeat thread renews it; None for a deferred
+    # task's lease, which the trigger renews from another process.
+    holder: str | None = None
     # The runner's store (tests inject one); not part of the JSON form: elsewhere the output's.
     store: Store | None = field(default=None, compare=False, repr=False)
 
@@ -207,7 +260,7 @@ class HeldLease:
 
     def acquire(self) -> bool:
         """Create this generation's lease file, atomically; False if another runner did."""
-        lease = Lease(self.generation, self.owner, time.time() + self.lease_seconds)
+        lease = self._lease()
         return self._store.create(_lease_path(self.output, self.generation), _lease_bytes(lease))
 
     def release(self) -> None:
@@ -223,7 +276,7 @@ class HeldLease:
         store = self._store
         if not _owns(store, self.output, self.generation, self.owner):
             return False
-        lease = Lease(self.generation, self.owner, time.time() + self.lease_seconds)
+        lease = self._lease()
         store.write(_lease_path(self.output, self.generation), _lease_bytes(lease))
         self._write(store, self.record(Status.RUNNING, lease_expires_at=lease.expires_at))
         return True
@@ -260,14 +313,16 @@ class HeldLease:
         self._release(store)
         return True
 
+    def _lease(self, released: bool = False) -> Lease:
+        expires = time.time() + self.lease_seconds
+        return Lease(self.generation, self.owner, expires, released, self.holder)
+
     def _write(self, store: Store, record: StatusRecord) -> None:
         store.write(join(self.output, STATUS_FILE), record.to_bytes())
 
     def _release(self, store: Store) -> None:
         if _owns(store, self.output, self.generation, self.owner):
-            released = Lease(
-                self.generation, self.owner, time.time() + self.lease_seconds, released=True
-            )
+            released = self._lease(released=True)
             store.write(_lease_path(self.output, self.generation), _lease_bytes(released))
 
 

@@ -23,6 +23,7 @@ from operators.steps.lease import (
     current_lease,
     jsonable,
     read_status,
+    this_process,
 )
 from operators.steps.plan import Action, decide
 from operators.steps.store import Store, store_for
@@ -83,7 +84,11 @@ class StepRunner:
         self.store = store or store_for(root)
 
     def run(self, step: Step, fn: Callable[[StepSpec], Any]) -> StepResult:
-        return self._run(step, lambda spec, lease: self._execute(spec, lease, fn))
+        def execute(spec: StepSpec, lease: HeldLease) -> StatusRecord:
+            return self._execute(spec, lease, fn)
+
+        # This process's heartbeat renews the lease: readers may tell when it is gone.
+        return self._run(step, execute, holder=this_process())
 
     def run_held(self, step: Step, submit: Callable[[StepSpec, HeldLease], Any]) -> StepResult:
         """Like :meth:`run`, for work that outlives this call (a deferred Airflow task).
@@ -96,10 +101,13 @@ class StepRunner:
         usually from another process. When ``submit`` raises, the step is FAILED and the
         lease released, as for any step. No heartbeat thread: nobody here outlives the call.
         """
-        return self._run(step, lambda spec, lease: self._hold(spec, lease, submit))
+        return self._run(step, lambda spec, lease: self._hold(spec, lease, submit), holder=None)
 
     def _run(
-        self, step: Step, execute: Callable[[StepSpec, HeldLease], StatusRecord]
+        self,
+        step: Step,
+        execute: Callable[[StepSpec, HeldLease], StatusRecord],
+        holder: str | None,
     ) -> StepResult:
         spec = resolve(step, self.root)
         out = spec.output_path
@@ -134,7 +142,7 @@ class StepRunner:
                 continue
             generation = 0 if state.lease is None else state.lease.generation + 1
             took_over = state.lease is not None and not state.lease.released
-            lease = self._held(step, spec, generation)
+            lease = self._held(step, spec, generation, holder)
             if not lease.acquire():
                 continue  # another runner won this generation: look again
             # Double-check under the lease: a run may have finished between probe and acquire.
@@ -149,7 +157,7 @@ class StepRunner:
 
     # -- running under a lease (operators.steps.lease.HeldLease owns the protocol) ----------
 
-    def _held(self, step: Step, spec: StepSpec, generation: int) -> HeldLease:
+    def _held(self, step: Step, spec: StepSpec, generation: int, holder: str | None) -> HeldLease:
         return HeldLease(
             output=spec.output_path,
             step=step.name,
@@ -158,6 +166,7 @@ class StepRunner:
             generation=generation,
             started_at=time.time(),
             lease_seconds=self.lease_seconds,
+            holder=holder,
             store=self.store,
         )
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -203,9 +204,10 @@ class Airflow:
             for ti in tis["task_instances"]
         }
 
-    def task_log(self, run_id: str, task_id: str, try_number: int = 1) -> str:
+    def task_log(self, run_id: str, task_id: str, try_number: int = 1, dag_id: str = DAG_ID) -> str:
+        run = quote(run_id, safe="")  # a scheduled run's id has ':' and '+'
         r = self.client.get(
-            f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
+            f"/api/v2/dags/{dag_id}/dagRuns/{run}/taskInstances/{task_id}/logs/{try_number}",
             headers={"Accept": "application/json"},
         )
         return r.text  # JSON: the log lines' text is in there

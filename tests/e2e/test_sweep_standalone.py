@@ -9,7 +9,8 @@ the DAG's own, 02:00 daily without catchup.
 1. Unpausing the DAG lets the scheduler start the most recent night it missed (a
    ``scheduled`` run at the last 02:00), with the platform's form. One cell fails; the fit
    goes through the other five, the forecast is pre-registered, trained and checked, and the
-   night fails at its leaf, naming the cell.
+   night fails at its leaf, naming the cell. Its record, report, run summary and run page say
+   so (``_the_night_failed_at_its_cell``).
 2. ``POST /api/v2/backfills`` over that night with ``reprocess_behavior=failed``: Airflow
    clears the failed run and runs it again. Every step that succeeded is a cache hit; only
    the failed cell trains (resuming from the checkpoint its pre-emption left, so the fault
@@ -71,6 +72,108 @@ def _run_file(af, run_id: str, name: str, monkeypatch: pytest.MonkeyPatch) -> ob
     return json.loads((Path(run_folder(run_id)) / name).read_text())
 
 
+def _the_night_failed_at_its_cell(af, run_id: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """What the failed night recorded: the cell left out with its reason, the fits through
+    the other five, the forecast pre-registered and checked, the report drawn by ``fit`` and
+    redrawn by ``check``, the summary naming the cell and what a backfill reruns, and the run
+    page saying so. Returns the sweep record, its forecast, the registration's bytes and the
+    failed training step's name."""
+    _, nodes, _ = af.lineage(run_id)
+    cells = {n: x for n, x in nodes.items() if n.startswith("sweep/train/")}
+    assert len(cells) == 6 + 1, sorted(nodes)  # six grid cells and the forecast run
+    states = {n: str(x.execution.state) for n, x in cells.items()}
+    assert sorted(states.values()).count("FAILED") == 1, states
+    failed_step = next(n for n, s in states.items() if s == "FAILED")
+    # each cell's execution names its mapped task instance: the listener and the check close
+    # one cell's leftovers without touching its siblings'
+    mapped = sorted(
+        (x.execution.properties["task_id"], x.execution.properties.get("map_index"))
+        for x in cells.values()
+    )
+    assert mapped == [("train_cell", i) for i in range(6)] + [("train_forecast", 0)], mapped
+
+    record = _run_file(af, run_id, "sweep.json", monkeypatch)
+    left_out = [c for c in record["cells"] if c["reason"]]
+    assert [c["index"] for c in left_out] == [SWEEP_FAILING_CELL], left_out
+    assert "training FAILED" in left_out[0]["reason"], left_out
+    assert "fault injection" in left_out[0]["reason"]
+    # each trained cell's time, from its step marker and the trainer's result, beside the
+    # estimate (FLOPs only on CPU: no chip peak to estimate seconds from)
+    for c in record["cells"]:
+        if c["reason"]:
+            assert c["actual"] is None
+        else:
+            assert 0 < c["actual"]["train_seconds"] <= c["actual"]["wall_seconds"], c
+            assert c["estimate"]["flops"] > 0 and "seconds" not in c["estimate"]
+    # Approach 2 lost a budget's curve with that cell and says so; approach 3 fitted the rest.
+    assert "at least 2 budgets" in record["fits"]["isoflop"]["error"]
+    parametric = record["fits"]["parametric"]
+    assert len(parametric["cells"]) == 5 and left_out[0]["label"] in {
+        e["cell"] for e in parametric["excluded"]
+    }
+    (forecast,) = record["forecasts"]
+    registered = Path(forecast["path"]).read_bytes()
+    registration = json.loads(registered)
+    assert registration["budget"] == 3e11 and registration["run_id"] == run_id
+    assert {c["label"] for c in registration["fit_inputs"]} == set(parametric["cells"])
+    predicted = registration["predicted"]["metric"]
+    assert predicted["low"] <= predicted["estimate"] <= predicted["high"]
+    outputs = {o.role: o.artifact.content_hash for o in nodes["fit"].outputs}
+    assert outputs.pop("forecast:3e+11") == forecast["sha256"]
+    report_roles = {
+        f"report:{name}.{ext}" for name in ("isoflop", "scaling") for ext in ("png", "svg")
+    }
+    assert set(outputs) == report_roles | {"report:report.json"}  # the night's report, before
+
+    (check,) = _run_file(af, run_id, "forecast_checks.json", monkeypatch)
+    assert check["checked"] and check["sha256"] == forecast["sha256"]
+    assert check["relative_error"] == pytest.approx(
+        (check["outcome"] - check["predicted"]) / check["outcome"]
+    )
+    report = _run_file(af, run_id, "report/report.json", monkeypatch)
+    assert report["forecasts"][0]["outcome"] == check["outcome"]  # check redrew it
+    checked = {o.role: o.artifact.content_hash for o in nodes["check"].outputs}
+    assert {r: checked[r] for r in report_roles} == {
+        f"report:{name}": digest for name, digest in report["files"].items()
+    }
+    assert str(nodes["check"].execution.state) == "FAILED"  # the night fails at its leaf
+    error = nodes["check"].execution.error
+    assert f"[{SWEEP_FAILING_CELL}]" in error and "backfill" in error, error
+    assert "a backfill (reprocess failed)" in af.task_log(run_id, "check", dag_id=SWEEP_DAG_ID)
+
+    # The night's run summary, as record writes a pipeline run's: written before the night
+    # fails, it names the failed cell first and says what a backfill reruns (that cell's train
+    # and evaluate steps, the training from its checkpoint) and what it skips (the rest).
+    summary = _run_file(af, run_id, "summary.json", monkeypatch)
+    assert summary["state"] == "FAILED" and summary["pipeline"] == SWEEP_DAG_ID
+    assert summary["failed"][0]["step"] == failed_step, summary["failed"]
+    assert "fault injection" in summary["failed"][0]["error"]
+    assert summary["failed"][-1]["step"] == "check"
+    assert f"[{SWEEP_FAILING_CELL}]" in summary["failed"][-1]["error"]
+    rows = {r["step"].rsplit("-", 1)[0]: r for r in summary["steps"]}
+    evaluate_step = failed_step.replace("/train/", "/evaluate/")
+    assert rows[failed_step]["state"] == "FAILED" and rows[failed_step]["marker"] != "SUCCESS"
+    # its evaluation refused to score a failed training before it started a step
+    assert rows[evaluate_step]["state"] == "NOT_RUN" and rows[evaluate_step]["marker"] is None
+    resume = summary["resume"]
+    assert sorted(k.rsplit("-", 1)[0] for k in resume["rerun"]) == [evaluate_step, failed_step]
+    # every other step, the data plane's and the other cells', is a cache hit on the rerun
+    assert len(resume["skipped_on_rerun"]) == len(summary["steps"]) - 2
+    skipped = {k.rsplit("-", 1)[0] for k in resume["skipped_on_rerun"]}
+    assert {"ingest", "split"} <= skipped and any(n.startswith("tokens/") for n in skipped)
+    (cell_resume,) = resume["cells_resume_from"]
+    assert cell_resume["cell"] == left_out[0]["label"] and cell_resume["step"] >= 1, resume
+    summaries = [o for o in nodes["check"].outputs if o.artifact.type == "run_summary"]
+    assert [o.artifact.properties["state"] for o in summaries] == ["FAILED"]
+    # ... and the run page in the Airflow UI shows it, as it does a pipeline run's
+    page = af.client.get(f"/slipway/runs/{quote(run_id, safe='')}")
+    assert page.status_code == 200, page.text[:3000]
+    text = " ".join(page.text.split())
+    assert f'Failed at <span id="failed-step">{failed_step}</span>' in text, text[:3000]
+    assert "2 run again" in text and f"{left_out[0]['label']}</span> at step" in text
+    return record, forecast, registered, failed_step
+
+
 def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(
     airflow, monkeypatch, page
 ):
@@ -99,24 +202,9 @@ def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(
     assert tasks["fit"] == "success" and tasks["train_forecast[0]"] == "success", tasks
     assert tasks["check"] == "failed", tasks
 
-    record = _run_file(af, run_id, "sweep.json", monkeypatch)
-    left_out = [c for c in record["cells"] if c["reason"]]
-    assert [c["index"] for c in left_out] == [SWEEP_FAILING_CELL], left_out
-    assert "fault injection" in left_out[0]["reason"]
-    assert len(record["fits"]["parametric"]["cells"]) == 5  # the fit went through the rest
-    (forecast,) = record["forecasts"]
-    registered = Path(forecast["path"]).read_bytes()
-    assert json.loads(registered)["run_id"] == run_id
-    (check,) = _run_file(af, run_id, "forecast_checks.json", monkeypatch)
-    assert check["checked"] and check["sha256"] == forecast["sha256"]
-    first = _steps(af, run_id)
-    trains = {n: [str(e.state) for e in x] for n, x in first.items() if "/train/" in n}
-    assert sorted(s for (s,) in trains.values()).count("FAILED") == 1, trains
-    failed_step = next(n for n, (s,) in trains.items() if s == "FAILED")
-    summary = _run_file(af, run_id, "summary.json", monkeypatch)  # check's, before it failed
-    assert summary["state"] == "FAILED" and summary["failed"][0]["step"] == failed_step, summary
-    rerun_names = sorted(k.rsplit("-", 1)[0] for k in summary["resume"]["rerun"])
-    assert rerun_names == [failed_step.replace("/train/", "/evaluate/"), failed_step], summary
+    record, forecast, registered, failed_step = _the_night_failed_at_its_cell(
+        af, run_id, monkeypatch
+    )
 
     # -- 2. the backfill: Airflow reruns the failed night --------------------------------------
     night = logical.isoformat()

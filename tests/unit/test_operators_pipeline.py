@@ -443,14 +443,14 @@ def test_record_closes_what_killed_tasks_left_running(home, params, tmp_path, mo
     assert str(tokens.state) == "CANCELED" and "Airflow: success" in tokens.error
 
 
-def _killed_train(home: Path, run_id: str, output: Path) -> int:
+def _killed_train(home: Path, run_id: str, output: Path, holder: str | None = None) -> int:
     """A train execution the listener closed (its task was killed from the UI) while the
-    trainer, still ending, holds the step's live lease in ``output``."""
+    trainer, still ending, holds the step's live lease in ``output`` (renewed by ``holder``)."""
     from operators.lineage import ExecutionState
     from operators.steps import LEASE_PREFIX, Lease
 
     output.mkdir(parents=True)
-    lease = Lease(0, "trainer-ending", time.time() + 600)
+    lease = Lease(0, "trainer-ending", time.time() + 600, holder=holder)
     (output / f"{LEASE_PREFIX}000000").write_text(json.dumps(lease.__dict__))
     with _store(home) as store:
         killed = store.start_execution(
@@ -520,6 +520,29 @@ def test_record_stops_waiting_for_a_killed_train_after_its_grace(
     row = _train_row(summary)
     assert (row["state"], row["error"]) == ("FAILED", "killed")
     assert summary["failed"][0]["step"] == "train"
+
+
+def test_record_does_not_wait_for_a_train_whose_worker_died(home, params, tmp_path):
+    """A training task whose worker was killed (SIGKILL: nothing will record its ending) left
+    a live lease naming its heartbeat's process, which is gone: the summary is written at
+    once, from what the listener recorded, not after the lease or the grace runs out."""
+    import subprocess
+    import sys
+
+    from structlog.testing import capture_logs
+
+    from operators.record import RecordRunOperator
+    from operators.steps import this_process
+
+    worker = subprocess.Popen([sys.executable, "-c", "pass"])
+    worker.wait()
+    machine = this_process().rpartition(":")[0]
+    _killed_train(home, "run-d", tmp_path / "train", holder=f"{machine}:{worker.pid}")
+    with capture_logs() as logs:
+        summary = RecordRunOperator().summarize(_record_context(params, "run-d"))
+    assert not [e for e in logs if "waiting for it" in e["event"]], logs
+    row = _train_row(summary)
+    assert (row["state"], row["error"]) == ("FAILED", "killed")
 
 
 class _RecordingBackend:

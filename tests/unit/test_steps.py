@@ -312,6 +312,47 @@ def test_a_taken_over_runner_does_not_mark_success(tmp_path):
     assert _marker(tmp_path, step)["status"] == "RUNNING"  # never SUCCESS from the zombie
 
 
+def test_a_lease_names_the_process_whose_heartbeat_renews_it(tmp_path):
+    """A step run in-process names this process (boot id, pid namespace, pid) in its lease,
+    so a reader can tell when nobody will renew it again; a held lease, which a trigger renews
+    from another process, names none. Either way the lease counts until it expires."""
+    import subprocess
+    import sys
+
+    here = steps.this_process()
+    assert here is not None and here.endswith(f":{os.getpid()}")
+    seen: list[Lease | None] = []
+
+    def work(spec: StepSpec) -> None:
+        seen.append(steps.current_lease(steps.store_for(spec.output_path), spec.output_path))
+
+    StepRunner(str(tmp_path)).run(Step("beating", {}), work)
+    (lease,) = seen
+    assert lease is not None and lease.holder == here and not lease.holder_exited()
+    held = Step("held", {})
+    StepRunner(str(tmp_path)).run_held(held, lambda spec, lease: None)
+    held_out = str(tmp_path / held.key)
+    held_lease = steps.current_lease(steps.store_for(held_out), held_out)
+    assert held_lease is not None and held_lease.holder is None
+    assert not held_lease.holder_exited()
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    machine = here.rpartition(":")[0]
+    gone = Lease(0, "killed-worker", time.time() + 60, holder=f"{machine}:{child.pid}")
+    assert gone.holder_exited() and gone.live(time.time())
+    # a process of another machine or container: nothing can be told
+    elsewhere = Lease(0, "x", time.time() + 60, holder=f"another-boot:1:{child.pid}")
+    assert not elsewhere.holder_exited()
+    # a lease file of a later version, with a field this one does not know, still reads
+    step = Step("newer", {})
+    _write_lease(tmp_path, step, Lease(0, "newer-runner", time.time() + 60))
+    path = tmp_path / step.key / f"{steps.LEASE_PREFIX}000000"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "renewals": 3}))
+    (entry,) = plan([step], str(tmp_path))
+    assert entry.action is Action.WAIT and "newer-runner" in entry.reason, entry
+
+
 # -- a lease held across a deferral (StepRunner.run_held / HeldLease) ------------------------
 
 
