@@ -31,6 +31,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Annotated, Any
 from urllib.parse import quote
 
@@ -204,6 +205,42 @@ def dag_runs(run_ids: Iterable[str]) -> dict[tuple[str, str], pages.DagRun]:
         return {}
 
 
+def waiting_dag_runs(
+    dag_ids: Iterable[str],
+) -> dict[tuple[str, str], tuple[pages.DagRun, datetime]]:
+    """Airflow's DAG runs of these DAGs that are queued or running, by (dag id, run id), with
+    when each was queued: the runs the list shows before their first task records anything
+    (the pipeline runs one at a time, so the others wait queued). Empty where the database
+    cannot be read."""
+    dags = sorted(set(dag_ids))
+    if not dags:
+        return {}
+    try:
+        from airflow.models.dagrun import DagRun
+        from airflow.utils.session import create_session
+        from airflow.utils.state import DagRunState
+        from sqlalchemy import select
+
+        going = [DagRunState.QUEUED, DagRunState.RUNNING]
+        found: dict[tuple[str, str], tuple[pages.DagRun, datetime]] = {}
+        with create_session() as session:
+            query = select(
+                DagRun.dag_id,
+                DagRun.run_id,
+                DagRun.state,
+                DagRun.queued_at,
+                DagRun.run_after,
+                DagRun.start_date,
+            ).where(DagRun.dag_id.in_(dags), DagRun.state.in_(going))
+            for dag_id, run_id, state, queued_at, run_after, started in session.execute(query):
+                shown = _DAG_RUN_STATES.get(str(state), str(state).upper())
+                found[dag_id, run_id] = (pages.DagRun(shown, started), queued_at or run_after)
+        return found
+    except Exception:
+        log.warning("Airflow's queued DAG runs could not be read", exc_info=True)
+        return {}
+
+
 @app.get("/", response_class=HTMLResponse)
 def runs(
     request: Request,
@@ -213,13 +250,14 @@ def runs(
     q: str = Query("", max_length=250),
 ) -> Any:
     try:
-        all_runs = store().runs()
+        recorded = store().runs()
     except NotFound as exc:
         return _no_lineage(exc)
-    allowed = readable({r.pipeline for r in all_runs if r.pipeline})
-    all_runs = [r for r in all_runs if not r.pipeline or r.pipeline in allowed]
+    allowed = readable({r.pipeline for r in recorded if r.pipeline})
+    all_runs = [r for r in recorded if not r.pipeline or r.pipeline in allowed]
     live = dag_runs(r.run_id for r in all_runs if r.pipeline)
-    all_runs = pages.with_dag_runs(all_runs, live)
+    waiting = waiting_dag_runs(readable({*allowed, *pages.SLIPWAY_DAGS}))
+    all_runs = pages.with_dag_runs([*all_runs, *pages.not_yet_recorded(waiting, recorded)], live)
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
     results = run_results(store().run_outputs(RESULT_STEPS, RESULT_TYPES))
     return pages.runs_page(all_runs, _base(request), filters, results)

@@ -40,7 +40,9 @@ from operators.promotion import PROMOTED_MODEL, Promotion, current_promotion
 from operators.reports.plots import loss_png
 from operators.reports.view import RunResult, RunView, loss_curve, run_view, step_name
 
+PIPELINE_DAG = "slipway_pipeline"
 SWEEP_DAG = "slipway_scaling_sweep"
+SLIPWAY_DAGS = (PIPELINE_DAG, SWEEP_DAG)  # dags/: whose runs the list shows before they record
 SWEEP_PLOTS = ("isoflop", "scaling")
 LIVE_REFRESH_S = 30  # a running run's page reloads itself this often (new steps, the loss)
 
@@ -131,7 +133,7 @@ def fmt_duration(seconds: float | None) -> str:
 
 def run_duration(run: RunSummary) -> str:
     if run.ended_at is None:
-        return "running"
+        return "queued" if run.state == "QUEUED" else "running"
     return fmt_duration((run.ended_at - run.started_at).total_seconds())
 
 
@@ -216,6 +218,24 @@ def with_dag_runs(
         for r in runs
     ]
     return sorted(shown, key=lambda s: (s.started_at, s.run_id), reverse=True)
+
+
+def not_yet_recorded(
+    waiting: Mapping[tuple[str, str], tuple[DagRun, datetime]], runs: Sequence[RunSummary]
+) -> list[RunSummary]:
+    """The DAG runs Airflow has queued or started (``waiting``: by dag id and run id, with when
+    each was queued) whose run id none of lineage's ``runs`` (all of them, readable or not)
+    has yet, as runs of the list: with Airflow's state, started when queued until Airflow
+    starts them, and no executions. A run id lineage has under another DAG is left out: its
+    page would be that run's."""
+    recorded = {r.run_id for r in runs}
+    return [
+        _as_airflow_has_it(
+            RunSummary(run_id, dag_id, ExecutionState.RUNNING, queued_at, None, {}), dag_run
+        )
+        for (dag_id, run_id), (dag_run, queued_at) in waiting.items()
+        if run_id not in recorded
+    ]
 
 
 def runs_page(

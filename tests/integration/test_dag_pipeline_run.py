@@ -298,3 +298,30 @@ def test_first_run_completes_second_is_cached_and_multislice_matches(env):
     single = curves[(1, "1")]
     assert len(single) == 6
     assert curves[(2, "2")] == pytest.approx(single, rel=2e-4), curves
+
+    # A run triggered while none runs here (no scheduler) stays queued, with nothing in
+    # lineage: the UI's runs list reads it from Airflow's database (ui.waiting_dag_runs).
+    subprocess.run(
+        [AIRFLOW, "dags", "trigger", "slipway_pipeline", "-r", "still-queued"],
+        env=env,
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    waiting = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json\n"
+            "from operators.ui import waiting_dag_runs\n"
+            "found = waiting_dag_runs(['slipway_pipeline', 'slipway_scaling_sweep'])\n"
+            "print(json.dumps([[*k, r.state, at is not None] for k, (r, at) in found.items()]))",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert json.loads(waiting.stdout.splitlines()[-1]) == [
+        ["slipway_pipeline", "still-queued", "QUEUED", True]
+    ], waiting.stderr[-3000:]

@@ -539,6 +539,7 @@ def client(store, monkeypatch):
     # Airflow's DagRun states come from the API server's metadata database: read for real in
     # tests/integration/test_dag_pipeline_run.py; here there is none (lineage's states show)
     monkeypatch.setattr(ui, "dag_runs", lambda run_ids: {})
+    monkeypatch.setattr(ui, "waiting_dag_runs", lambda dag_ids: {})
     ui.app.dependency_overrides[get_user] = lambda: object()
     # a user who may read every DAG (the auth manager's answer is the test's to give below)
     ui.app.dependency_overrides[ui.readable_dags] = lambda: set
@@ -680,6 +681,48 @@ def test_a_run_airflow_has_but_lineage_not_yet_is_a_page_that_waits(client, monk
     assert 'id="run-state">QUEUED</span>' in page.text
     assert client.get("/runs/hidden").status_code == 404
     assert client.get("/runs/nothing").status_code == 404
+
+
+def test_the_runs_list_shows_the_runs_airflow_queued_before_they_record(client, monkeypatch):
+    """The pipeline runs one DAG run at a time: the others wait queued, with nothing in
+    lineage yet. The list shows them (Airflow's state, queued when, no executions), linked to
+    their waiting page; not a run of a DAG the user may not read, and not twice a run lineage
+    already has."""
+    from datetime import UTC, datetime
+
+    from operators import ui
+
+    asked: list[set[str]] = []
+    queued_at = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)  # newer than every recorded run
+    waiting = {
+        ("slipway_pipeline", "waiting-1"): (pages.DagRun("QUEUED"), queued_at),
+        ("secret_dag", "hidden"): (pages.DagRun("QUEUED"), queued_at),
+        ("slipway_pipeline", "good"): (pages.DagRun("RUNNING", queued_at), queued_at),
+    }
+
+    def fake_waiting(dag_ids):
+        asked.append(set(dag_ids))
+        return {k: v for k, v in waiting.items() if k[0] in asked[-1]}
+
+    monkeypatch.setattr(ui, "waiting_dag_runs", fake_waiting)
+    ui.app.dependency_overrides[ui.readable_dags] = lambda: lambda dags: dags - {"secret_dag"}
+    listed = parse(client.get("/").text)
+    assert asked == [set(pages.SLIPWAY_DAGS)]  # the readable ones of Slipway's DAGs
+    rows = [cells for _, cells in listed.rows[1:]]
+    first = rows[0]
+    assert first[:6] == [
+        "waiting-1",
+        "slipway_pipeline",
+        "QUEUED",
+        "queued 2030-01-02 03:04:05",
+        "queued",
+        "0",
+    ], first
+    assert [r[0] for r in rows].count("good") == 1 and "hidden" not in [r[0] for r in rows]
+    page = client.get("/").text
+    assert 'href="/slipway/runs/waiting-1"' in page
+    only = parse(client.get("/", params={"state": "QUEUED"}).text)
+    assert [cells[0] for _, cells in only.rows[1:]] == ["waiting-1"]
 
 
 def test_a_browser_gets_error_pages_and_an_api_client_text(client):
