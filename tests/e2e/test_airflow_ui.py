@@ -89,6 +89,29 @@ def test_the_default_form_triggers_a_run_that_succeeds(airflow, page):
 
     # -- the run's report in the Airflow UI (the Slipway plugin) --------------------------------
     _the_run_report(af, page, "ui_default_form", states, nodes)
+    _a_queued_run_in_the_list(af, page)
+
+
+def _a_queued_run_in_the_list(af, page) -> None:
+    """A run triggered while the DAG is paused waits queued (as one does behind a running
+    one) and has recorded nothing: the runs list shows it QUEUED, and its page waits."""
+    shots = SCREENSHOTS / "queued-run"
+    shutil.rmtree(shots, ignore_errors=True)
+    af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})
+    try:
+        af.trigger("ui_queued", tiny_conf(af.data))
+        with step(page, "10-the-queued-run", shots):
+            page.goto(f"{af.url}/slipway/?state=QUEUED")
+            link = page.get_by_role("link", name="ui_queued", exact=True)
+            cells = page.locator("table#runs tbody tr", has=link).locator("td").all_inner_texts()
+            assert cells[1:3] == [DAG_ID, "QUEUED"], cells
+            assert cells[3].startswith("queued ") and cells[4:6] == ["queued", "0"], cells
+            link.click()
+            page.wait_for_url("**/slipway/runs/ui_queued")
+            assert "none of its steps has recorded anything yet" in page.content()
+    finally:
+        af.client.delete(f"/api/v2/dags/{DAG_ID}/dagRuns/ui_queued")
+        af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
 
 
 def _the_run_report(af, page, run_id: str, states: dict, nodes: dict) -> None:
