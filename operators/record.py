@@ -113,22 +113,35 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         """A training task killed from the UI (closed by the listener) whose process is still
         ending: it has not recorded where training resumes, and it still holds the step's
         lease. A task whose process died (its worker killed) will record nothing: where its
-        lease names a process of this machine that is gone, there is nothing to wait for;
-        elsewhere the wait ends when the lease expires, or after the grace."""
+        lease names a process of this machine that is gone, only its trainer may still be
+        saving the checkpoint it was signalled to save, until it writes its result; elsewhere
+        the wait ends when the lease expires, or after the grace."""
         if ex is None or ex.properties.get("closed_by") != "listener":
             return False
         if "resumable" in ex.properties:
             return False
-        return self._lease_live(ex.properties.get("output"))
-
-    @staticmethod
-    def _lease_live(output: str | None) -> bool:
-        from operators.steps import current_lease, store_for
-
+        output = ex.properties.get("output")
         if not output:
             return False
-        lease = current_lease(store_for(output), output)
-        return lease is not None and lease.live(time.time()) and not lease.holder_exited()
+        from operators.steps import current_lease, store_for
+
+        store = store_for(output)
+        lease = current_lease(store, output)
+        if lease is None or not lease.live(time.time()):
+            return False
+        if lease.holder_exited():
+            return not self._trainer_ended(store, output, ex.started_at)
+        return True
+
+    @staticmethod
+    def _trainer_ended(store: Any, output: str, since: Any) -> bool:
+        """The trainer wrote its result (after its last checkpoint) since ``since``, when its
+        task started: it has ended, whether it finished, failed or saved on a SIGTERM."""
+        from operators.steps import join
+        from trainer.rundir import RESULT
+
+        written = store.modified(join(output, RESULT))
+        return written is not None and since is not None and written >= since.timestamp()
 
     def _wait_for_train_ending(self, store: Any, run_id: str, ex: Any) -> Any:
         """Wait (bounded) for a killed training task to record its checkpoint, so that the

@@ -96,7 +96,7 @@ class Lease:
         """Nobody will renew it again: its heartbeat's process is known to be gone (killed
         with its worker). It still counts as held until it expires: the lease protocol
         takes nothing over early; a reader that only waits for the holder may stop."""
-        return self.holder is not None and process_exited(self.holder)
+        return isinstance(self.holder, str) and process_exited(self.holder)
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,9 @@ def _lease_path(out: str, generation: int) -> str:
 
 
 def _lease_bytes(lease: Lease) -> bytes:
-    return json.dumps(lease.__dict__, sort_keys=True).encode()
+    # No holder, no key: such a lease reads the same to a runner from before holders.
+    body = {k: v for k, v in lease.__dict__.items() if k != "holder" or v is not None}
+    return json.dumps(body, sort_keys=True).encode()
 
 
 def _read_lease(store: Store, out: str, generation: int) -> Lease | None:
@@ -235,7 +237,12 @@ class HeldLease:
         return self.lease_seconds / 3
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "store"}
+        # A deferred task's lease has no holder: its trigger kwargs stay as they were.
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k != "store" and (k != "holder" or v is not None)
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HeldLease:

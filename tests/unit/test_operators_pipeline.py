@@ -522,12 +522,16 @@ def test_record_stops_waiting_for_a_killed_train_after_its_grace(
     assert summary["failed"][0]["step"] == "train"
 
 
-def test_record_does_not_wait_for_a_train_whose_worker_died(home, params, tmp_path):
-    """A training task whose worker was killed (SIGKILL: nothing will record its ending) left
-    a live lease naming its heartbeat's process, which is gone: the summary is written at
-    once, from what the listener recorded, not after the lease or the grace runs out."""
+def test_record_waits_for_a_dead_workers_trainer_only_until_it_writes_its_result(
+    home, params, tmp_path
+):
+    """A training task whose worker was killed (SIGKILL: its task process will record
+    nothing) left a live lease naming that process, which is gone. Its trainer, signalled by
+    the kernel, may still be saving a checkpoint: ``record`` waits for the trainer's result,
+    not for the lease to expire, and once the result is there it does not wait at all."""
     import subprocess
     import sys
+    import threading
 
     from structlog.testing import capture_logs
 
@@ -536,13 +540,33 @@ def test_record_does_not_wait_for_a_train_whose_worker_died(home, params, tmp_pa
 
     worker = subprocess.Popen([sys.executable, "-c", "pass"])
     worker.wait()
-    machine = this_process().rpartition(":")[0]
-    _killed_train(home, "run-d", tmp_path / "train", holder=f"{machine}:{worker.pid}")
-    with capture_logs() as logs:
-        summary = RecordRunOperator().summarize(_record_context(params, "run-d"))
-    assert not [e for e in logs if "waiting for it" in e["event"]], logs
+    dead = f"{this_process().rpartition(':')[0]}:{worker.pid}"
+    output = tmp_path / "train"
+    _killed_train(home, "run-d", output, holder=dead)
+
+    def trainer_saves_and_ends():
+        time.sleep(0.5)
+        (output / "result.json").write_text('{"status": "preempted"}')
+
+    trainer = threading.Thread(target=trainer_saves_and_ends)
+    trainer.start()
+    try:
+        with capture_logs() as logs:
+            summary = RecordRunOperator().summarize(_record_context(params, "run-d"))
+    finally:
+        trainer.join()
+    events = [e["event"] for e in logs]
+    assert any("waiting for it" in e for e in events), events
+    assert not any("did not record its ending" in e for e in events), events  # not the grace
     row = _train_row(summary)
     assert (row["state"], row["error"]) == ("FAILED", "killed")
+
+    # the trainer's result already written: nothing to wait for
+    _killed_train(home, "run-e", tmp_path / "train-e", holder=dead)
+    (tmp_path / "train-e" / "result.json").write_text('{"status": "preempted"}')
+    with capture_logs() as logs:
+        RecordRunOperator().summarize(_record_context(params, "run-e"))
+    assert not [e for e in logs if "waiting for it" in e["event"]], logs
 
 
 class _RecordingBackend:

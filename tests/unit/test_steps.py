@@ -335,15 +335,17 @@ def test_a_lease_names_the_process_whose_heartbeat_renews_it(tmp_path):
     held_lease = steps.current_lease(steps.store_for(held_out), held_out)
     assert held_lease is not None and held_lease.holder is None
     assert not held_lease.holder_exited()
+    # no holder, no key: the lease file and a trigger's kwargs read as before holders
+    assert "holder" not in json.loads((tmp_path / held.key / ".lease-000000").read_text())
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     machine = here.rpartition(":")[0]
     gone = Lease(0, "killed-worker", time.time() + 60, holder=f"{machine}:{child.pid}")
     assert gone.holder_exited() and gone.live(time.time())
-    # a process of another machine or container: nothing can be told
-    elsewhere = Lease(0, "x", time.time() + 60, holder=f"another-boot:1:{child.pid}")
-    assert not elsewhere.holder_exited()
+    # a process of another machine or container, or a holder that is not one: nothing
+    assert not Lease(0, "x", time.time() + 60, holder=f"another-boot:1:{child.pid}").holder_exited()
+    assert not Lease(0, "x", time.time() + 60, holder=123).holder_exited()  # type: ignore[arg-type]
     # a lease file of a later version, with a field this one does not know, still reads
     step = Step("newer", {})
     _write_lease(tmp_path, step, Lease(0, "newer-runner", time.time() + 60))
@@ -370,7 +372,9 @@ def test_held_lease_leaves_the_step_running_until_it_is_ended(tmp_path):
     (lease,) = held
     assert result.outcome is Outcome.RAN and result.status.status is Status.RUNNING
     assert result.result == {"handle": "jobset-1"}
-    # Plain data: what a trigger's kwargs carry, and what another process rebuilds.
+    # Plain data: what a trigger's kwargs carry, and what another process rebuilds (with no
+    # holder key: the trigger renews it from another process, as before holders).
+    assert "holder" not in lease.to_dict()
     lease = steps.HeldLease.from_dict(json.loads(json.dumps(lease.to_dict())))
     assert lease.owned() and lease.renew_every == 10
     # Nobody else may run it while held: the plan waits on the live lease.
