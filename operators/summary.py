@@ -22,10 +22,9 @@ from operators.lineage import (
 from operators.lineage.render import render_run, run_failed
 from operators.lineage.url import redacted
 from operators.promotion import gate_line, gate_outcome
+from operators.reports.pages import PIPELINE_DAG as PIPELINE
 from operators.reports.static import REPORT_ARTIFACT
 from operators.settings import storage_root
-
-PIPELINE = "slipway_pipeline"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,9 +39,9 @@ from operators.lineage.store import (
 from operators.promotion import PROMOTED_MODEL, Promotion, current_promotion
 from operators.reports.plots import loss_png
 from operators.reports.view import RunResult, RunView, loss_curve, run_view, step_name
+from operators.sweep.report import SWEEP_DAG
 
 PIPELINE_DAG = "slipway_pipeline"
-SWEEP_DAG = "slipway_scaling_sweep"
 SLIPWAY_DAGS = (PIPELINE_DAG, SWEEP_DAG)  # dags/: whose runs the list shows before they record
 SWEEP_PLOTS = ("isoflop", "scaling")
 LIVE_REFRESH_S = 30  # a running run's page reloads itself this often (new steps, the loss)
