@@ -52,11 +52,12 @@ def _client(store):
 
     ui._store = store
     ui.app.dependency_overrides[get_user] = lambda: object()
-    # A user who may read every DAG, and no Airflow metadata database (its DagRun states are
-    # one indexed query on the API server's; here the pages show lineage's): the time is
-    # the pages'.
+    # A user who may read every DAG, and no Airflow metadata database (its DagRun states and
+    # queued runs are indexed queries on the API server's; here the pages show lineage's):
+    # the time is the pages'.
     ui.app.dependency_overrides[ui.readable_dags] = lambda: set
     ui.dag_runs = lambda run_ids: {}
+    ui.waiting_dag_runs = lambda dag_ids: {}
     return TestClient(ui.app, root_path="/slipway")
 
 
