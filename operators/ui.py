@@ -241,6 +241,22 @@ def waiting_dag_runs(
         return {}
 
 
+def dag_paused(dag_id: str) -> bool | None:
+    """Whether Airflow has the DAG paused (None where its database cannot tell): why a run
+    of it waits queued."""
+    try:
+        from airflow.models.dag import DagModel
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            query = select(DagModel.is_paused).where(DagModel.dag_id == dag_id)
+            return session.execute(query).scalar_one_or_none()
+    except Exception:
+        log.warning("Airflow's DAG %s could not be read", dag_id, exc_info=True)
+        return None
+
+
 @app.get("/", response_class=HTMLResponse)
 def runs(
     request: Request,
@@ -285,7 +301,15 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
         pending = {dag: r for (dag, _), r in dag_runs([run_id]).items()}
         shown = sorted(readable(set(pending)))
         if shown:
-            return pages.pending_page(run_id, shown[0], pending[shown[0]], base)
+            dag = shown[0]
+            running = sorted(
+                other
+                for (_, other), (r, _) in waiting_dag_runs([dag]).items()
+                if r.state == "RUNNING"
+            )
+            return pages.pending_page(
+                run_id, dag, pending[dag], base, running=running, paused=dag_paused(dag)
+            )
         raise HTTPException(404, str(exc.args[0])) from exc
 
 

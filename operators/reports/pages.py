@@ -305,9 +305,18 @@ def run_page(
     )
 
 
-def pending_page(run_id: str, dag_id: str, dag_run: DagRun, base: str) -> str:
+def pending_page(
+    run_id: str,
+    dag_id: str,
+    dag_run: DagRun,
+    base: str,
+    running: Sequence[str] = (),
+    paused: bool | None = None,
+) -> str:
     """A DAG run Airflow has but lineage does not yet (queued, or before its first task
-    recorded anything): its state, reloading while it is going."""
+    recorded anything): its state, reloading while it is going, and why a queued one waits
+    where Airflow says: the DAG is ``paused``, or other runs of it are ``running`` (both
+    Slipway DAGs run one DAG run at a time)."""
     return _render(
         "pending.html",
         base,
@@ -316,6 +325,8 @@ def pending_page(run_id: str, dag_id: str, dag_run: DagRun, base: str) -> str:
         dag_run=dag_run,
         going=dag_run.state in _GOING,
         refresh_s=LIVE_REFRESH_S,
+        running=[r for r in running if r != run_id],
+        paused=paused,
     )
 
 

@@ -94,7 +94,8 @@ def test_the_default_form_triggers_a_run_that_succeeds(airflow, page):
 
 def _a_queued_run_in_the_list(af, page) -> None:
     """A run triggered while the DAG is paused waits queued (as one does behind a running
-    one) and has recorded nothing: the runs list shows it QUEUED, and its page waits."""
+    one) and has recorded nothing: the runs list shows it QUEUED, and its page waits and
+    says the DAG is paused."""
     shots = SCREENSHOTS / "queued-run"
     shutil.rmtree(shots, ignore_errors=True)
     af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": True})
@@ -109,6 +110,7 @@ def _a_queued_run_in_the_list(af, page) -> None:
             link.click()
             page.wait_for_url("**/slipway/runs/ui_queued")
             assert "none of its steps has recorded anything yet" in page.content()
+            assert page.locator("#paused").inner_text().startswith(f"{DAG_ID} is paused")
     finally:
         af.client.delete(f"/api/v2/dags/{DAG_ID}/dagRuns/ui_queued")
         af.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})

@@ -313,15 +313,18 @@ def test_first_run_completes_second_is_cached_and_multislice_matches(env):
             sys.executable,
             "-c",
             "import json\n"
-            "from operators.ui import waiting_dag_runs\n"
+            "from operators.ui import dag_paused, waiting_dag_runs\n"
             "found = waiting_dag_runs(['slipway_pipeline', 'slipway_scaling_sweep'])\n"
-            "print(json.dumps([[*k, r.state, at is not None] for k, (r, at) in found.items()]))",
+            "print(json.dumps([[*k, r.state, at is not None] for k, (r, at) in found.items()]))\n"
+            "print(json.dumps([dag_paused('slipway_pipeline'), dag_paused('no_such_dag')]))",
         ],
         env=env,
         cwd=REPO,
         capture_output=True,
         text=True,
     )
-    assert json.loads(waiting.stdout.splitlines()[-1]) == [
-        ["slipway_pipeline", "still-queued", "QUEUED", True]
-    ], waiting.stderr[-3000:]
+    listed, paused = waiting.stdout.splitlines()[-2:]
+    assert json.loads(listed) == [["slipway_pipeline", "still-queued", "QUEUED", True]], (
+        waiting.stderr[-3000:]
+    )
+    assert json.loads(paused) == [True, None]  # new DAGs start paused; no such DAG: unknown

@@ -540,6 +540,7 @@ def client(store, monkeypatch):
     # tests/integration/test_dag_pipeline_run.py; here there is none (lineage's states show)
     monkeypatch.setattr(ui, "dag_runs", lambda run_ids: {})
     monkeypatch.setattr(ui, "waiting_dag_runs", lambda dag_ids: {})
+    monkeypatch.setattr(ui, "dag_paused", lambda dag_id: None)
     ui.app.dependency_overrides[get_user] = lambda: object()
     # a user who may read every DAG (the auth manager's answer is the test's to give below)
     ui.app.dependency_overrides[ui.readable_dags] = lambda: set
@@ -679,8 +680,21 @@ def test_a_run_airflow_has_but_lineage_not_yet_is_a_page_that_waits(client, monk
     assert "none of its steps has recorded anything yet" in page.text
     assert f'<meta http-equiv="refresh" content="{pages.LIVE_REFRESH_S}">' in page.text
     assert 'id="run-state">QUEUED</span>' in page.text
+    assert 'id="paused"' not in page.text and 'id="running-now"' not in page.text
     assert client.get("/runs/hidden").status_code == 404
     assert client.get("/runs/nothing").status_code == 404
+    # Why it waits, where Airflow says: the DAG is paused, and another run of it is running.
+    running = {("slipway_pipeline", "ahead <1>"): (pages.DagRun("RUNNING"), None)}
+    monkeypatch.setattr(
+        ui, "waiting_dag_runs", lambda dags: running if "slipway_pipeline" in dags else {}
+    )
+    monkeypatch.setattr(ui, "dag_paused", lambda dag_id: dag_id == "slipway_pipeline")
+    page = parse(client.get("/runs/waiting").text)
+    words = _words(page)
+    assert "slipway_pipeline is paused" in words
+    assert "Airflow starts none of its runs until it is unpaused" in words, words
+    assert "Running now in slipway_pipeline: ahead <1>." in words, words
+    assert 'href="/slipway/runs/ahead%20%3C1%3E"' in client.get("/runs/waiting").text
 
 
 def test_the_runs_list_shows_the_runs_airflow_queued_before_they_record(client, monkeypatch):
