@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -134,14 +135,14 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         return True
 
     @staticmethod
-    def _trainer_ended(store: Any, output: str, since: Any) -> bool:
+    def _trainer_ended(store: Any, output: str, since: datetime) -> bool:
         """The trainer wrote its result (after its last checkpoint) since ``since``, when its
         task started: it has ended, whether it finished, failed or saved on a SIGTERM."""
         from operators.steps import join
         from trainer.rundir import RESULT
 
         written = store.modified(join(output, RESULT))
-        return written is not None and since is not None and written >= since.timestamp()
+        return written is not None and written >= since.timestamp()
 
     def _wait_for_train_ending(self, store: Any, run_id: str, ex: Any) -> Any:
         """Wait (bounded) for a killed training task to record its checkpoint, so that the

@@ -32,7 +32,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
 
 from airflow.api_fastapi.core_api.security import get_user
@@ -174,35 +174,49 @@ _DAG_RUN_STATES = {
     "failed": "FAILED",
 }
 _IN_CHUNK = 500  # run ids per IN (...) query: SQLite caps a statement's parameters
+_T = TypeVar("_T")
+
+
+def _read_airflow(what: str, default: _T, read: Callable[[Any], _T]) -> _T:
+    """``read(session)`` on Airflow's metadata database (the API server's), or ``default``
+    where it cannot be read (logged): the pages then show what lineage has."""
+    try:
+        from airflow.utils.session import create_session
+
+        with create_session() as session:
+            return read(session)
+    except Exception:
+        log.warning("Airflow's %s could not be read", what, exc_info=True)
+        return default
+
+
+def _dag_run(state: Any, started: datetime | None, ended: datetime | None = None) -> pages.DagRun:
+    return pages.DagRun(_DAG_RUN_STATES.get(str(state), str(state).upper()), started, ended)
 
 
 def dag_runs(run_ids: Iterable[str]) -> dict[tuple[str, str], pages.DagRun]:
-    """Airflow's own record of these DAG runs (state, start, end), by (dag id, run id), from
-    its metadata database (the API server's). The run's lifecycle is Airflow's: see
-    :func:`operators.reports.pages.with_dag_runs`. Empty where the database cannot be
-    read: the pages then show lineage's."""
+    """Airflow's own record of these DAG runs (state, start, end), by (dag id, run id). The
+    run's lifecycle is Airflow's: see :func:`operators.reports.pages.with_dag_runs`. Empty
+    where the database cannot be read: the pages then show lineage's states."""
     ids = sorted(set(run_ids))
     if not ids:
         return {}
-    try:
+
+    def read(session: Any) -> dict[tuple[str, str], pages.DagRun]:
         from airflow.models.dagrun import DagRun
-        from airflow.utils.session import create_session
         from sqlalchemy import select
 
         found: dict[tuple[str, str], pages.DagRun] = {}
-        with create_session() as session:
-            for at in range(0, len(ids), _IN_CHUNK):
-                query = select(
-                    DagRun.dag_id, DagRun.run_id, DagRun.state, DagRun.start_date, DagRun.end_date
-                ).where(DagRun.run_id.in_(ids[at : at + _IN_CHUNK]))
-                for dag_id, run_id, state, started, ended in session.execute(query):
-                    if state:
-                        shown = _DAG_RUN_STATES.get(str(state), str(state).upper())
-                        found[dag_id, run_id] = pages.DagRun(shown, started, ended)
+        for at in range(0, len(ids), _IN_CHUNK):
+            query = select(
+                DagRun.dag_id, DagRun.run_id, DagRun.state, DagRun.start_date, DagRun.end_date
+            ).where(DagRun.run_id.in_(ids[at : at + _IN_CHUNK]))
+            for dag_id, run_id, state, started, ended in session.execute(query):
+                if state:
+                    found[dag_id, run_id] = _dag_run(state, started, ended)
         return found
-    except Exception:
-        log.warning("Airflow's DAG runs could not be read; lineage's states shown", exc_info=True)
-        return {}
+
+    return _read_airflow("DAG runs", {}, read)
 
 
 def waiting_dag_runs(
@@ -215,46 +229,41 @@ def waiting_dag_runs(
     dags = sorted(set(dag_ids))
     if not dags:
         return {}
-    try:
+
+    def read(session: Any) -> dict[tuple[str, str], tuple[pages.DagRun, datetime]]:
         from airflow.models.dagrun import DagRun
-        from airflow.utils.session import create_session
         from airflow.utils.state import DagRunState
         from sqlalchemy import select
 
         going = [DagRunState.QUEUED, DagRunState.RUNNING]
-        found: dict[tuple[str, str], tuple[pages.DagRun, datetime]] = {}
-        with create_session() as session:
-            query = select(
-                DagRun.dag_id,
-                DagRun.run_id,
-                DagRun.state,
-                DagRun.queued_at,
-                DagRun.run_after,
-                DagRun.start_date,
-            ).where(DagRun.dag_id.in_(dags), DagRun.state.in_(going))
-            for dag_id, run_id, state, queued_at, run_after, started in session.execute(query):
-                shown = _DAG_RUN_STATES.get(str(state), str(state).upper())
-                found[dag_id, run_id] = (pages.DagRun(shown, started), queued_at or run_after)
-        return found
-    except Exception:
-        log.warning("Airflow's queued DAG runs could not be read", exc_info=True)
-        return {}
+        query = select(
+            DagRun.dag_id,
+            DagRun.run_id,
+            DagRun.state,
+            DagRun.queued_at,
+            DagRun.run_after,
+            DagRun.start_date,
+        ).where(DagRun.dag_id.in_(dags), DagRun.state.in_(going))
+        return {
+            (dag_id, run_id): (_dag_run(state, started), queued_at or run_after)
+            for dag_id, run_id, state, queued_at, run_after, started in session.execute(query)
+        }
+
+    return _read_airflow("queued DAG runs", {}, read)
 
 
 def dag_paused(dag_id: str) -> bool | None:
     """Whether Airflow has the DAG paused (None where its database cannot tell): why a run
     of it waits queued."""
-    try:
+
+    def read(session: Any) -> bool | None:
         from airflow.models.dag import DagModel
-        from airflow.utils.session import create_session
         from sqlalchemy import select
 
-        with create_session() as session:
-            query = select(DagModel.is_paused).where(DagModel.dag_id == dag_id)
-            return session.execute(query).scalar_one_or_none()
-    except Exception:
-        log.warning("Airflow's DAG %s could not be read", dag_id, exc_info=True)
-        return None
+        query = select(DagModel.is_paused).where(DagModel.dag_id == dag_id)
+        return session.execute(query).scalar_one_or_none()
+
+    return _read_airflow(f"DAG {dag_id}", None, read)
 
 
 @app.get("/", response_class=HTMLResponse)
@@ -301,14 +310,16 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
         pending = {dag: r for (dag, _), r in dag_runs([run_id]).items()}
         shown = sorted(readable(set(pending)))
         if shown:
-            dag = shown[0]
+            dag, dag_run = shown[0], pending[shown[0]]
+            if dag_run.state != "QUEUED":  # started: nothing holds it back
+                return pages.pending_page(run_id, dag, dag_run, base)
             running = sorted(
                 other
                 for (_, other), (r, _) in waiting_dag_runs([dag]).items()
                 if r.state == "RUNNING"
             )
             return pages.pending_page(
-                run_id, dag, pending[dag], base, running=running, paused=dag_paused(dag)
+                run_id, dag, dag_run, base, running=running, paused=dag_paused(dag)
             )
         raise HTTPException(404, str(exc.args[0])) from exc
 

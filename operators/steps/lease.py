@@ -146,10 +146,14 @@ def _lease_path(out: str, generation: int) -> str:
     return join(out, f"{LEASE_PREFIX}{generation:06d}")
 
 
+def _without_no_holder(fields: dict[str, Any]) -> dict[str, Any]:
+    """No holder, no key: a lease file or a trigger's kwargs without one read the same to
+    code from before holders."""
+    return {k: v for k, v in fields.items() if k != "holder" or v is not None}
+
+
 def _lease_bytes(lease: Lease) -> bytes:
-    # No holder, no key: such a lease reads the same to a runner from before holders.
-    body = {k: v for k, v in lease.__dict__.items() if k != "holder" or v is not None}
-    return json.dumps(body, sort_keys=True).encode()
+    return json.dumps(_without_no_holder(lease.__dict__), sort_keys=True).encode()
 
 
 def _read_lease(store: Store, out: str, generation: int) -> Lease | None:
@@ -237,12 +241,7 @@ class HeldLease:
         return self.lease_seconds / 3
 
     def to_dict(self) -> dict[str, Any]:
-        # A deferred task's lease has no holder: its trigger kwargs stay as they were.
-        return {
-            k: v
-            for k, v in self.__dict__.items()
-            if k != "store" and (k != "holder" or v is not None)
-        }
+        return _without_no_holder({k: v for k, v in self.__dict__.items() if k != "store"})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HeldLease:

@@ -258,8 +258,8 @@ def test_first_run_completes_second_is_cached_and_multislice_matches(env):
        MEGASCALE_* as GKE sets them, ``replica`` across the slices and ``data`` within):
        train and evaluate to the end with the loss curve of the one-process run. Slices are
        how, not what: the step keeps its version, so its outputs are removed to train it
-       again. (2 slices x 1 host, and the manifests of 1, 2 and 4 slices, are the JobSet and
-       trainer tests'.)
+       again. (One host per slice is the trainer's multislice test, started without the
+       DAG; the manifests of 1, 2 and 4 slices are the JobSet tests'.)
     """
     import shutil
 
