@@ -1195,6 +1195,26 @@ def _json_loads(text: str | bytes) -> Any:
     return json.loads(text, object_hook=_float_hook)
 
 
+def _journal_in_wal(cursor: Any) -> None:
+    """WAL: readers never block the writer and vice versa; several processes may write.
+
+    Switching a new file to WAL takes an exclusive lock, and while other processes' first
+    connections race for it SQLite can answer "database is locked" at once, without its busy
+    handler: so retry, within the busy timeout. A file once in WAL stays so, and the pragma
+    is then a no-op."""
+    import sqlite3
+
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05 + random.random() * 0.05)
+
+
 def _make_engine(url: str) -> Engine:
     codec = {"json_serializer": _json_dumps, "json_deserializer": _json_loads}
     if not url.startswith("sqlite"):
@@ -1209,9 +1229,8 @@ def _make_engine(url: str) -> Engine:
         # Let SQLAlchemy, not the driver, emit BEGIN (see _on_begin).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        # WAL: readers never block the writer and vice versa; several processes may write.
-        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        _journal_in_wal(cursor)
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
