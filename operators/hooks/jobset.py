@@ -196,8 +196,8 @@ class JobSetAsyncHook(BaseHook):
 
     async def wait_for_change(
         self, handle: JobSetHandle, version: str | None, timeout: float
-    ) -> None:
-        await self._call("wait_for_change", handle, version, timeout)
+    ) -> Any:
+        return await self._call("wait_for_change", handle, version, timeout)
 
     async def leader_log_tail(
         self, handle: JobSetHandle, lines: int

@@ -162,7 +162,8 @@ class Backend(Protocol):
     def observe(self, handle: JobSetHandle) -> JobSetObservation: ...
 
     def wait_for_change(self, handle: JobSetHandle, version: str | None, timeout: float) -> Any:
-        """Return once the JobSet changed after ``version``, or after ``timeout`` seconds."""
+        """Once the JobSet changed after ``version``: what changed (not None); None after
+        ``timeout`` seconds without a change."""
         ...
 
     def leader_log_tail(

@@ -774,15 +774,18 @@ class LocalBackend:
             max_restarts=run.plan.max_restarts,
         )
 
-    def wait_for_change(self, handle: JobSetHandle, version: str | None, timeout: float) -> None:
+    def wait_for_change(
+        self, handle: JobSetHandle, version: str | None, timeout: float
+    ) -> JobSetObservation | None:
         run = self.get(handle)
         deadline = time.monotonic() + max(0.0, timeout)
-        while self.observe(handle).version == version:
+        while (seen := self.observe(handle)).version == version:
             left = deadline - time.monotonic()
             if left <= 0:
-                return
+                return None
             with contextlib.suppress(TimeoutError):
                 run.wait(min(self._poll, left))
+        return seen
 
     def leader_log_tail(
         self, handle: JobSetHandle, lines: int = 50

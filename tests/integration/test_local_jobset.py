@@ -281,9 +281,7 @@ def test_kill_terminates_every_process(fake):
     pids = [int(x) for p in pidfiles for x in p.read_text().split()]
     assert len(pids) == 8 and all(_alive(pid) for pid in pids)
     assert backend.poll(handle).terminal_state is None
-    t0 = time.monotonic()
     status = backend.cancel(handle)
-    assert time.monotonic() - t0 < 10
     assert status.terminal_state == "Failed" and status.reason == "Cancelled"
     time.sleep(0.2)  # let init reap the orphaned grandchildren
     assert [pid for pid in pids if _alive(pid)] == []
@@ -329,9 +327,9 @@ def test_a_follower_sees_the_run_through_the_backend_protocol(fake):
     backend = LocalBackend(Lines())
     handle = backend.submit(launch(fake, "logs", topology="2", slices=2))
     first = backend.observe(handle)
-    backend.wait_for_change(handle, first.version, timeout=30)  # returns at the end
+    changed = backend.wait_for_change(handle, first.version, timeout=30)  # at the end
     seen = backend.observe(handle)
-    assert seen.status.succeeded and seen.version != first.version
+    assert changed == seen and seen.status.succeeded and seen.version != first.version
     assert seen.status.exits == () and seen.max_restarts == 3  # TrainingLaunch's default
     pod, tail = backend.leader_log_tail(handle, 10)
     assert pod == "slice-0/worker-0"  # its lines only, in the order its one stream gave them
@@ -345,9 +343,8 @@ def test_a_follower_sees_the_run_through_the_backend_protocol(fake):
         "slice-1/worker-1",
     ]
     assert set(done.exit_codes.values()) == {0}
-    started = time.monotonic()
-    backend.wait_for_change(handle, seen.version, timeout=0.3)  # nothing changes any more
-    assert time.monotonic() - started >= 0.3
+    # nothing changes any more: the wait ends at its timeout, saying so
+    assert backend.wait_for_change(handle, seen.version, timeout=0.3) is None
     backend.close()
     assert backend.poll(handle).succeeded  # closing released nothing the run needs
 

@@ -12,17 +12,8 @@ from pipelines import quality
 from pipelines.beam_io import read_dead_letters, read_documents
 from pipelines.quality import QualityConfig, QualityThresholds, apply_thresholds
 from pipelines.stage import config_from_mapping
+from tests.support.long_documents import ENGLISH
 
-ENGLISH = (
-    "The history of the river valley is closely tied to the farmers who settled there in the"
-    " early years of the century. They cleared the land, built small houses with timber from"
-    " the nearby hills, and planted wheat and barley along the banks. Over time the villages"
-    " grew into market towns, and the roads that connected them carried goods to the coast."
-    " Many of the old stone bridges still stand today, and visitors come to see them in the"
-    " summer months when the water is low. Local historians have collected letters, diaries"
-    " and photographs from those years, and the small museum near the church shows how people"
-    " lived, worked and traded with each other before the railway arrived."
-)
 FORTUNE = "The best way to predict the future is to invent it."
 CODE = "def main():\n    for i in range(10):\n        print({i: i ** 2})\n"
 CONFIG = {"sources": {"python-stdlib": {"enabled": False}, "fortunes": {"min_words": 3}}}
