@@ -299,3 +299,67 @@ def test_a_close_from_outside_waits_for_the_steps_own_report(url, close):
         assert result == ([0] if close == "cancel_running" else [[]])  # nothing closed
         rec = store.execution(ex)
         assert rec.state == ExecutionState.COMPLETE and rec.error is None
+
+
+HOLD_A_WRITE = """
+import sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN IMMEDIATE")
+con.execute("CREATE TABLE other_process (x)")
+print("holding", flush=True)
+sys.stdin.readline()
+con.execute("COMMIT")
+"""
+
+
+def test_a_new_sqlite_file_goes_to_wal_while_another_process_writes(tmp_path):
+    """Two processes' first connections to a new lineage file: one in a write transaction
+    while the other switches the file to WAL. SQLite answers that switch "database is locked"
+    at once, without waiting for the busy timeout; a task process died of it in a
+    ``make test`` run. The store retries it within the busy timeout."""
+    import sqlite3
+    import subprocess
+    import threading
+
+    path = tmp_path / "lineage.db"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_WRITE, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout.readline().strip() == "holding"
+        # What the store meets: the plain pragma fails at once, busy timeout or not.
+        plain = sqlite3.connect(path, timeout=30, isolation_level=None)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            plain.execute("PRAGMA journal_mode=WAL")
+        plain.close()
+
+        opened: list[object] = []
+
+        def open_store() -> None:
+            try:
+                opened.append(LineageStore(f"sqlite:///{path}"))
+            except Exception as exc:  # reported below, on the test's thread
+                opened.append(exc)
+
+        opening = threading.Thread(target=open_store, daemon=True)
+        opening.start()
+        opening.join(0.5)
+        # It can only wait: switching to WAL needs the lock the other process holds.
+        assert opening.is_alive(), f"opening the store ended while the write was held: {opened}"
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        opening.join(60)
+        assert opened and isinstance(opened[0], LineageStore), opened
+    finally:
+        writer.kill() if writer.poll() is None else None
+        writer.wait()
+    store = opened[0]
+    with store.engine.connect() as connection:
+        mode = connection.exec_driver_sql("PRAGMA journal_mode").scalar()
+        tables = connection.exec_driver_sql("SELECT name FROM sqlite_master").scalars().all()
+    assert mode == "wal"
+    assert "other_process" in tables  # the other process's write was kept, not clobbered
+    store.close()
