@@ -30,7 +30,7 @@ import html
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
@@ -39,7 +39,7 @@ from airflow.api_fastapi.core_api.security import get_user
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from operators.lineage import LineageStore, NotFound
+from operators.lineage import LineageStore, NotFound, RunSummary
 from operators.reports import URL_PREFIX, pages
 from operators.reports.plots import DPI, PLOT_VERSION, SIZE_IN, loss_png
 from operators.reports.static import report_path
@@ -266,6 +266,16 @@ def dag_paused(dag_id: str) -> bool | None:
     return _read_airflow(f"DAG {dag_id}", None, read)
 
 
+def as_airflow_has_them(
+    runs: Sequence[RunSummary], recorded: Sequence[RunSummary], dag_ids: Iterable[str]
+) -> list[RunSummary]:
+    """``runs`` in the states Airflow has them, and before them the DAG runs of ``dag_ids``
+    that Airflow has queued or started but none of lineage's ``recorded`` runs has yet."""
+    live = dag_runs(r.run_id for r in runs if r.pipeline)
+    waiting = waiting_dag_runs(dag_ids)
+    return pages.with_dag_runs([*runs, *pages.not_yet_recorded(waiting, recorded)], live)
+
+
 @app.get("/", response_class=HTMLResponse)
 def runs(
     request: Request,
@@ -279,10 +289,11 @@ def runs(
     except NotFound as exc:
         return _no_lineage(exc)
     allowed = readable({r.pipeline for r in recorded if r.pipeline})
-    all_runs = [r for r in recorded if not r.pipeline or r.pipeline in allowed]
-    live = dag_runs(r.run_id for r in all_runs if r.pipeline)
-    waiting = waiting_dag_runs(readable({*allowed, *pages.SLIPWAY_DAGS}))
-    all_runs = pages.with_dag_runs([*all_runs, *pages.not_yet_recorded(waiting, recorded)], live)
+    all_runs = as_airflow_has_them(
+        [r for r in recorded if not r.pipeline or r.pipeline in allowed],
+        recorded,
+        readable({*allowed, *pages.SLIPWAY_DAGS}),
+    )
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
     results = run_results(store().run_outputs(RESULT_STEPS, RESULT_TYPES))
     return pages.runs_page(all_runs, _base(request), filters, results)
@@ -424,11 +435,13 @@ def _readable_versions(readable: Readable, writers: list[tuple[str, set[str]]]) 
 def sweeps(request: Request, readable: Access, night: str = Query("", max_length=250)) -> Any:
     _require(readable, [pages.SWEEP_DAG])
     try:
-        all_runs = store().runs()
+        recorded = store().runs()
     except NotFound as exc:
         return _no_lineage(exc)
+    nights = [r for r in recorded if r.pipeline == pages.SWEEP_DAG]
+    nights = as_airflow_has_them(nights, recorded, [pages.SWEEP_DAG])
     try:
-        return pages.sweeps_page(all_runs, _base(request), night or None)
+        return pages.sweeps_page(nights, _base(request), night or None)
     except NotFound as exc:
         raise HTTPException(404, str(exc.args[0])) from exc
 

@@ -587,14 +587,16 @@ def night_report(run_id: str) -> dict[str, Any] | None:
 
 
 def sweeps_page(runs: Sequence[RunSummary], base: str, night_id: str | None = None) -> str:
-    """The sweep's nights, one night (``night_id``, default the newest) with its grid, fits and
-    plots, and every pre-registered forecast with its outcome, oldest night first.
-    ``NotFound`` for a ``night_id`` that is no recorded night."""
+    """The sweep's nights (newest first, queued ones too), one night (``night_id``; by default
+    the newest with a report, else the newest) with its grid, fits and plots, and every
+    pre-registered forecast with its outcome, oldest night first. ``NotFound`` for a
+    ``night_id`` that is no night."""
     nights = [Night(r, night_report(r.run_id)) for r in runs if r.pipeline == SWEEP_DAG]
     night = next((n for n in nights if n.run.run_id == night_id), None)
     if night_id is not None and night is None:  # a stale or mistyped link: never another night
         raise NotFound(f"no {SWEEP_DAG} night {night_id!r} recorded")
-    night = night or (nights[0] if nights else None)
+    # Tonight's night may be queued or early on: the last results are what a reader came for.
+    night = night or next((n for n in nights if n.report), nights[0] if nights else None)
     forecasts = [
         {"night": n.run.run_id, "f": f}
         for n in sorted(nights, key=lambda n: n.run.started_at)

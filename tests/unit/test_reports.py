@@ -739,6 +739,41 @@ def test_the_runs_list_shows_the_runs_airflow_queued_before_they_record(client, 
     assert [cells[0] for _, cells in only.rows[1:]] == ["waiting-1"]
 
 
+def test_the_sweeps_page_lists_nights_as_airflow_has_them(client, store, monkeypatch, tmp_path):
+    """A night between two tasks reads COMPLETE in lineage: the page shows Airflow's RUNNING.
+    Tonight's night, queued, is listed before anything records it; the page still opens on
+    the newest night with a report, and the queued one's says why it has none."""
+    from datetime import UTC, datetime
+
+    from operators import ui
+    from operators.sweep.figures import summary
+
+    cell = {"index": 0, "label": "h64-d2", "budget": 1e15, "params": 10, "tokens": 20}
+    done = store.start_execution("fit", run_id="night-1", pipeline=pages.SWEEP_DAG)
+    store.finish_execution(done)
+    report = tmp_path / "runs" / "night-1" / "report" / "report.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps(summary("night-1", {"cells": [{**cell, "metric": 3.5}]}, {})))
+    tonight = datetime(2030, 1, 2, 2, 0, tzinfo=UTC)
+    monkeypatch.setattr(
+        ui, "dag_runs", lambda ids: {(pages.SWEEP_DAG, "night-1"): pages.DagRun("RUNNING")}
+    )
+    monkeypatch.setattr(
+        ui,
+        "waiting_dag_runs",
+        lambda dags: {(d, "night-2"): (pages.DagRun("QUEUED"), tonight) for d in dags},
+    )
+    page = parse(client.get("/sweeps").text)
+    rows = [cells for _, cells in page.rows]
+    assert rows[1] == ["night-2", "QUEUED", "queued 2030-01-02 02:00", "0", "0"]
+    assert rows[2][:2] == ["night-1 ◀", "RUNNING"] and rows[2][3:] == ["1", "0"]
+    assert "Night night-1" in _words(page)  # the newest night with a report
+    assert rows[4] == ["[0] h64-d2", "1e+15", "10", "20", "3.5000", ""]
+    queued = client.get("/sweeps", params={"night": "night-2"}).text
+    assert "Airflow has queued this night and not started it yet" in queued
+    assert 'href="/slipway/runs/night-2"' in queued
+
+
 def test_a_browser_gets_error_pages_and_an_api_client_text(client):
     """A person who mistypes a run id or opens /trace bare gets a page with the way back;
     anything not asking for HTML gets the status and the reason as text."""
