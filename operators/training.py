@@ -77,6 +77,12 @@ def last_logged_step(out: str, since: int = 0) -> int:
     return int(metrics[-1]["step"]) if metrics else 0
 
 
+def last_logged_loss(out: str) -> tuple[int, float] | None:
+    """(step, loss) of the last logged step with a loss (NaN for a diverged one), or None."""
+    logged = [m for m in read_metrics(out) if m.get("loss") is not None]
+    return (int(logged[-1]["step"]), float(logged[-1]["loss"])) if logged else None
+
+
 def fault_watch(out: str, fail_at: int, start_step: int | None) -> Callable[[], str | None] | None:
     """The local backend's fault injection: a check that says why to cancel once this
     attempt's trainer logs step ``fail_at`` (None when there is nothing to inject: no
@@ -624,10 +630,14 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     @staticmethod
     def _failure_properties(spec: StepSpec) -> dict[str, Any]:
         ckpt = last_checkpoint(spec.output_path)
+        loss = last_logged_loss(spec.output_path)
         return {
             "last_checkpoint": ckpt[1] if ckpt else None,
             "last_checkpoint_step": ckpt[0] if ckpt else None,
             "last_logged_step": last_logged_step(spec.output_path),
+            # the loss where it stopped: the runs list shows it for a failed training
+            "last_logged_loss": loss[1] if loss else None,
+            "last_logged_loss_step": loss[0] if loss else None,
             "trainer_result": _read_json(join(spec.output_path, rundir.RESULT)),
             "resumable": ckpt is not None,
         }

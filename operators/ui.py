@@ -295,7 +295,9 @@ def runs(
         readable({*allowed, *pages.SLIPWAY_DAGS}),
     )
     filters = pages.RunFilters(pipeline=pipeline, state=state, q=q)
-    results = run_results(store().run_outputs(RESULT_STEPS, RESULT_TYPES))
+    results = run_results(
+        store().run_outputs(RESULT_STEPS, RESULT_TYPES), store().run_failures(["train"])
+    )
     return pages.runs_page(all_runs, _base(request), filters, results)
 
 

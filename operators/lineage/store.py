@@ -237,6 +237,17 @@ class RunOutput:
 
 
 @dataclass(frozen=True)
+class RunFailure:
+    """A run's latest attempt of a step that FAILED, as :meth:`LineageStore.run_failures`
+    lists them."""
+
+    run_id: str
+    execution_id: int
+    step: str  # the execution's name
+    properties: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class RunGraph:
     run: RunSummary
     steps: tuple[StepNode, ...]  # in start order, which is a topological order of the run
@@ -693,11 +704,7 @@ class LineageStore:
         reads of their results, not a graph per run. A latest attempt that wrote nothing (it
         failed, or runs still) gives nothing: never an earlier attempt's results."""
         with self._read() as session:
-            latest = (
-                select(func.max(Execution.id))
-                .where(Execution.run_id.is_not(None), Execution.name.in_(list(steps)))
-                .group_by(Execution.run_id, Execution.name)
-            )
+            latest = _latest_attempts(steps)
             rows = session.execute(
                 select(
                     Execution.run_id,
@@ -721,6 +728,25 @@ class LineageStore:
         return [
             RunOutput(run_id, ex_id, name, role, kind, uri, version or "", counts or {})
             for run_id, ex_id, name, role, kind, uri, version, counts in rows
+        ]
+
+    def run_failures(self, steps: Iterable[str]) -> list[RunFailure]:
+        """Every run whose latest attempt of one of these ``steps`` (by execution name) FAILED,
+        with that attempt's properties, in one query: :meth:`run_outputs`' counterpart for the
+        attempts that wrote nothing."""
+        with self._read() as session:
+            latest = _latest_attempts(steps)
+            rows = session.execute(
+                select(Execution.run_id, Execution.id, Execution.name, Execution.properties)
+                .where(
+                    Execution.id.in_(latest),
+                    Execution.state == str(ExecutionState.FAILED),
+                )
+                .order_by(Execution.id)
+            ).all()
+        return [
+            RunFailure(run_id, ex_id, name, properties or {})
+            for run_id, ex_id, name, properties in rows
         ]
 
     def version_writers(self, uri: str) -> list[tuple[str, set[str]]]:
@@ -1193,6 +1219,15 @@ def _json_loads(text: str | bytes) -> Any:
     if key not in text:
         return json.loads(text)  # no Python hook on every object: the usual case
     return json.loads(text, object_hook=_float_hook)
+
+
+def _latest_attempts(steps: Iterable[str]) -> Any:
+    """The ids of each run's latest execution of each of ``steps`` (by name): a subquery."""
+    return (
+        select(func.max(Execution.id))
+        .where(Execution.run_id.is_not(None), Execution.name.in_(list(steps)))
+        .group_by(Execution.run_id, Execution.name)
+    )
 
 
 def _journal_in_wal(cursor: Any) -> None:

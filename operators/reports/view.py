@@ -23,6 +23,7 @@ from operators.lineage.schema import ArtifactType, ExecutionState
 from operators.lineage.store import (
     ArtifactRecord,
     ExecutionRecord,
+    RunFailure,
     RunGraph,
     RunOutput,
     StepNode,
@@ -324,11 +325,13 @@ RESULT_TYPES = (ArtifactType.CHECKPOINT, ArtifactType.EVAL_RESULT, ArtifactType.
 
 @dataclass(frozen=True)
 class RunResult:
-    """A pipeline run's results in a line: the trained model's last loss, its mean held-out
-    bits/byte (the gate's measure; NaN when a store's is not finite), and the model it
-    promoted (``name @version``)."""
+    """A pipeline run's results in a line: the trained model's last loss (or, where its latest
+    training failed, the loss it last logged and at which step), its mean held-out bits/byte
+    (the gate's measure; NaN when a store's is not finite), and the model it promoted
+    (``name @version``)."""
 
     train_loss: float | None = None
+    train_failed_at: int | None = None  # the step of ``train_loss`` of a failed training
     heldout_bits_per_byte: float | None = None
     promoted: str | None = None
     promoted_uri: str | None = None
@@ -336,13 +339,24 @@ class RunResult:
     promoted_current: bool = False  # the model name's latest promotion among the runs
 
 
-def run_results(outputs: Iterable[RunOutput]) -> dict[str, RunResult]:
+def run_results(
+    outputs: Iterable[RunOutput], failures: Iterable[RunFailure] = ()
+) -> dict[str, RunResult]:
     """Each run's :class:`RunResult`, from the outputs of its latest ``train``, ``evaluate``
-    and ``gate`` (``LineageStore.run_outputs(RESULT_STEPS, RESULT_TYPES)``)."""
+    and ``gate`` (``LineageStore.run_outputs(RESULT_STEPS, RESULT_TYPES)``), and from its
+    latest ``train`` where that failed (``LineageStore.run_failures(["train"])``: the loss
+    the operator recorded as it failed)."""
     by_step: dict[tuple[str, str], list[RunOutput]] = {}
     for out in outputs:
         by_step.setdefault((out.run_id, out.step), []).append(out)
     found: dict[str, dict[str, Any]] = {}
+    for failure in failures:
+        loss = failure.properties.get("last_logged_loss")
+        if failure.step == "train" and isinstance(loss, int | float):
+            found[failure.run_id] = {
+                "train_loss": float(loss),
+                "train_failed_at": failure.properties.get("last_logged_loss_step"),
+            }
     latest_promotion: dict[str, tuple[int, str]] = {}  # model URI -> (gate execution, run)
     for (run_id, step), outs in by_step.items():
         result = found.setdefault(run_id, {})

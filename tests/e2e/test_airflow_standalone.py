@@ -35,6 +35,7 @@ with the browser tests) is always stopped, its whole process group.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     assert states["train"] == "FAILED", af.task_log("e2e_fault", "train")
     assert "fail_at_step=5" in train.error
     assert train.properties["resumable"] and train.properties["last_checkpoint_step"] >= 5
+    # the loss it stopped at, for the runs list: the trainer's last logged step
+    loss, at = train.properties["last_logged_loss"], train.properties["last_logged_loss_step"]
+    assert at == train.properties["last_logged_step"] >= 5 and math.isfinite(loss), train
     # OpenLineage (the provider, from our operators' facets): train's FAIL names its output.
     fails = af.openlineage_events("e2e_fault", "train", "FAIL")
     assert fails, "no OpenLineage FAIL event for train"
@@ -103,6 +107,8 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     # why, and what a clear-and-rerun resumes. Without a login it is refused.
     page = af.client.get("/slipway/runs/e2e_fault")
     assert page.status_code == 200, page.text
+    listed = af.client.get("/slipway/", params={"q": "e2e_fault"}).text
+    assert f"{loss:.4f} <span" in listed and f">at step {at}</span>" in listed, listed
     text = " ".join(page.text.split())
     assert 'Failed at <span id="failed-step">train</span>' in text, text
     assert "fail_at_step=5" in text

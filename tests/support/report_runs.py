@@ -102,7 +102,11 @@ def record_run(
             error="TrainerFailed: the trainer exited 3 (preempted) at step 12",
             traceback='Traceback (most recent call last):\n  File "trainer/train.py"\n'
             "TrainerFailed: the trainer exited 3 (preempted) at step 12",
-            properties={"last_checkpoint_step": 10, "resumable": True},
+            properties={
+                "last_checkpoint_step": 10,
+                "resumable": True,
+                **_last_loss(train_dir),
+            },
             ended_at=t + 4 * tick,
         )
         _record_summary(store, run_id, t + 5 * tick, failed=True)
@@ -180,3 +184,11 @@ def _record_summary(store: LineageStore, run_id: str, t: datetime, *, failed: bo
     ex = store.start_execution("record", run_id=run_id, pipeline=PIPELINE, started_at=t)
     store.record_output(ex, f"/runs/{run_id}/summary.json", "run_summary", properties=summary)
     store.finish_execution(ex, ended_at=t + timedelta(seconds=1))
+
+
+def _last_loss(train_dir: Path) -> dict[str, float | int | None]:
+    """The loss a failing ``train`` records, read by the operator's own function."""
+    from operators.training import last_logged_loss
+
+    step, loss = last_logged_loss(str(train_dir)) or (None, None)
+    return {"last_logged_loss": loss, "last_logged_loss_step": step}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import sys
 
@@ -502,3 +503,31 @@ def test_describe_documents_reads_the_stage_manifest(tmp_path):
     assert described["config"] == {"min_words": 5}
     manifest("b").write(str(tmp_path))
     assert describe_documents(str(tmp_path))["content_hash"] != described["content_hash"]
+
+
+def test_run_failures_are_the_runs_whose_latest_attempt_of_a_step_failed(url):
+    """What the runs list reads for a failed training: the latest attempt's properties, and
+    never a failure that a later attempt (passed, or still running) has replaced."""
+    with LineageStore(url) as store:
+
+        def attempt(run_id: str, name: str, state: str | None, **properties: object) -> None:
+            ex = store.start_execution(name, run_id=run_id, pipeline="lm")
+            if state is not None:
+                store.finish_execution(ex, state, properties=properties or None)
+
+        attempt("passed-on-retry", "train", "FAILED", last_logged_loss=4.0)
+        attempt("passed-on-retry", "train", "COMPLETE")
+        attempt("failed-twice", "train", "FAILED", last_logged_loss=5.0)
+        attempt("failed-twice", "train", "FAILED", last_logged_loss=float("nan"))
+        attempt("retrying", "train", "FAILED", last_logged_loss=3.0)
+        attempt("retrying", "train", None)  # running
+        attempt("eval-failed", "evaluate", "FAILED")
+        (failed,) = store.run_failures(["train"])
+        assert (failed.run_id, failed.step) == ("failed-twice", "train")
+        assert math.isnan(failed.properties["last_logged_loss"])  # the latest, NaN kept
+        both = store.run_failures(["train", "evaluate"])
+        assert [(f.run_id, f.step) for f in both] == [
+            ("failed-twice", "train"),
+            ("eval-failed", "evaluate"),
+        ]
+        assert both[1].properties == {}

@@ -384,12 +384,20 @@ def test_the_runs_list_shows_each_runs_results(store):
             ex, f"/steps/evaluate-2/{role}.json", "eval_result", role=role, counts=counts
         )
     store.finish_execution(ex)
-    results = run_results(store.run_outputs(RESULT_STEPS, RESULT_TYPES))
+    results = run_results(
+        store.run_outputs(RESULT_STEPS, RESULT_TYPES), store.run_failures(["train"])
+    )
     promoted = f"demo @{store.artifact(model_uri('demo')).version}"  # good's, the only one
     assert results["good"].train_loss == 6.0  # the checkpoint's loss_end, as recorded
     assert results["good"].heldout_bits_per_byte == 2.5
     assert results["good"].promoted == promoted
-    assert "bad <script>" not in results  # failed before any result
+    # failed in training: the loss it last logged, as its failed execution recorded it
+    (failed,) = store.run_failures(["train"])
+    assert failed.run_id == "bad <script>" and failed.step == "train"
+    loss, step = (failed.properties[k] for k in ("last_logged_loss", "last_logged_loss_step"))
+    assert (loss, step) == loss_curve(run_view(store.run_graph("bad <script>")))[-1][::-1]
+    bad = results["bad <script>"]
+    assert (bad.train_loss, bad.train_failed_at, bad.heldout_bits_per_byte) == (loss, step, None)
     html = parse(pages.runs_page(store.runs(), "/s", results=results))
     header = html.rows[0][1]
     rows = {c[0]: c for _, c in html.rows[1:]}
@@ -397,7 +405,8 @@ def test_the_runs_list_shows_each_runs_results(store):
         rows["good"][header.index(h)] for h in ("train loss", "held-out bits/byte", "promoted")
     ]
     assert shown == ["6.0000", "2.5000", f"{promoted} current"]  # good's is the latest
-    assert [rows["bad <script>"][header.index(h)] for h in ("train loss", "promoted")] == ["", ""]
+    shown = [rows["bad <script>"][header.index(h)] for h in ("train loss", "promoted")]
+    assert shown == [f"{loss:.4f} at step {step}", ""]
 
 
 def test_the_runs_list_reads_each_steps_latest_attempt_even_without_results(store):
@@ -414,9 +423,12 @@ def test_the_runs_list_reads_each_steps_latest_attempt_even_without_results(stor
             ex, f"/e/{role}.json", "eval_result", role=role, counts={"bits_per_byte": bpb}
         )
     store.finish_execution(ex)
-    results = run_results(store.run_outputs(RESULT_STEPS, RESULT_TYPES))
+    results = run_results(
+        store.run_outputs(RESULT_STEPS, RESULT_TYPES), store.run_failures(["train"])
+    )
     assert run_view(store.run_graph("good")).training is None
-    assert results["good"].train_loss is None
+    # it failed before it logged a loss (no last_logged_loss): no loss at all
+    assert results["good"].train_loss is None and results["good"].train_failed_at is None
     assert math.isnan(results["good"].heldout_bits_per_byte)
     html = parse(pages.runs_page(store.runs(), "/s", results=results))
     header = html.rows[0][1]
