@@ -77,9 +77,10 @@ def last_logged_step(out: str, since: int = 0) -> int:
     return int(metrics[-1]["step"]) if metrics else 0
 
 
-def last_logged_loss(out: str) -> tuple[int, float] | None:
-    """(step, loss) of the last logged step with a loss (NaN for a diverged one), or None."""
-    logged = [m for m in read_metrics(out) if m.get("loss") is not None]
+def last_logged_loss(metrics: list[dict[str, Any]]) -> tuple[int, float] | None:
+    """(step, loss) of the last step of ``metrics`` (:func:`read_metrics`) with a loss (NaN
+    for a diverged one), or None. Every attempt's lines count, as on the run page's curve."""
+    logged = [m for m in metrics if m.get("loss") is not None]
     return (int(logged[-1]["step"]), float(logged[-1]["loss"])) if logged else None
 
 
@@ -630,11 +631,12 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     @staticmethod
     def _failure_properties(spec: StepSpec) -> dict[str, Any]:
         ckpt = last_checkpoint(spec.output_path)
-        loss = last_logged_loss(spec.output_path)
+        metrics = read_metrics(spec.output_path)  # one read: on GCS, a download
+        loss = last_logged_loss(metrics)
         return {
             "last_checkpoint": ckpt[1] if ckpt else None,
             "last_checkpoint_step": ckpt[0] if ckpt else None,
-            "last_logged_step": last_logged_step(spec.output_path),
+            "last_logged_step": int(metrics[-1]["step"]) if metrics else 0,
             # the loss where it stopped: the runs list shows it for a failed training
             "last_logged_loss": loss[1] if loss else None,
             "last_logged_loss_step": loss[0] if loss else None,

@@ -238,8 +238,8 @@ class RunOutput:
 
 @dataclass(frozen=True)
 class RunFailure:
-    """A run's latest attempt of a step that FAILED, as :meth:`LineageStore.run_failures`
-    lists them."""
+    """A run's latest attempt of a step that FAILED or was CANCELED, as
+    :meth:`LineageStore.run_failures` lists them."""
 
     run_id: str
     execution_id: int
@@ -731,16 +731,16 @@ class LineageStore:
         ]
 
     def run_failures(self, steps: Iterable[str]) -> list[RunFailure]:
-        """Every run whose latest attempt of one of these ``steps`` (by execution name) FAILED,
-        with that attempt's properties, in one query: :meth:`run_outputs`' counterpart for the
-        attempts that wrote nothing."""
+        """Every run whose latest attempt of one of these ``steps`` (by execution name) FAILED
+        or was CANCELED (killed), with that attempt's properties, in one query:
+        :meth:`run_outputs`' counterpart for the attempts that wrote nothing."""
         with self._read() as session:
             latest = _latest_attempts(steps)
             rows = session.execute(
                 select(Execution.run_id, Execution.id, Execution.name, Execution.properties)
                 .where(
                     Execution.id.in_(latest),
-                    Execution.state == str(ExecutionState.FAILED),
+                    Execution.state.in_([str(ExecutionState.FAILED), str(ExecutionState.CANCELED)]),
                 )
                 .order_by(Execution.id)
             ).all()

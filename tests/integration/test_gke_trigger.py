@@ -670,7 +670,8 @@ def test_preflight_is_skipped_without_a_zone(fake, kubeconfig, home, params):
 def test_deferral_holds_no_thread(fake, kubeconfig):
     """The trigger shares the triggerer's event loop: other coroutines keep running."""
     handle = _submit(fake, kubeconfig)
-    trigger, _ = _trigger(handle, kubeconfig, poll_seconds=1.0)
+    # Each wait a real 1 s watch (no log tail in between): a loop it blocked would not tick.
+    trigger, _ = _trigger(handle, kubeconfig, poll_seconds=1.0, log_seconds=30)
     ticks: list[float] = []
     completed: list[float] = []
 
@@ -695,8 +696,8 @@ def test_deferral_holds_no_thread(fake, kubeconfig):
 
     event = asyncio.run(main())
     assert event.payload["event"] == "terminal"
-    # The ticker kept running while the trigger waited for the JobSet to end. A trigger that
-    # blocked the loop would let it tick once, at most, before the end came.
+    # The ticker kept running while the trigger waited for the JobSet to end (~16 ticks). A
+    # trigger that blocked the loop in its watch lets it tick not once before the end.
     assert len([t for t in ticks if t < completed[0]]) >= 3, (ticks, completed)
 
 

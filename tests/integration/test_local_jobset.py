@@ -269,6 +269,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _still_alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` alive once init has had 10 s to reap the orphaned grandchildren."""
+    deadline = time.monotonic() + 10
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
 def test_kill_terminates_every_process(fake):
     lines = Lines()
     backend = LocalBackend(lines, grace_period=1.0)
@@ -283,8 +291,7 @@ def test_kill_terminates_every_process(fake):
     assert backend.poll(handle).terminal_state is None
     status = backend.cancel(handle)
     assert status.terminal_state == "Failed" and status.reason == "Cancelled"
-    time.sleep(0.2)  # let init reap the orphaned grandchildren
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert _still_alive(pids) == []
     # worker 0 took SIGTERM (exit 42 via its handler); worker 1 ignored it: SIGKILL (137)
     assert status.exit_codes == {
         "slice-0/worker-0": 42,
@@ -305,8 +312,7 @@ def test_wait_timeout_and_run_timeout_kill(fake):
         backend.run(launch(fake, "hang", topology="1", name="run-2"), timeout=3)
     pids = [int(x) for x in (out(fake) / "0-0.pids").read_text().split()]
     assert len(pids) == 4, pids  # each run's pod and its grandchild (the file is appended to)
-    time.sleep(0.2)
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert _still_alive(pids) == []
 
 
 def test_backend_contract_and_handles(fake):

@@ -189,6 +189,7 @@ def _record_summary(store: LineageStore, run_id: str, t: datetime, *, failed: bo
 def _last_loss(train_dir: Path) -> dict[str, float | int | None]:
     """The loss a failing ``train`` records, read by the operator's own function."""
     from operators.training import last_logged_loss
+    from trainer.rundir import read_metrics
 
-    step, loss = last_logged_loss(str(train_dir)) or (None, None)
+    step, loss = last_logged_loss(read_metrics(str(train_dir))) or (None, None)
     return {"last_logged_loss": loss, "last_logged_loss_step": step}

@@ -521,13 +521,16 @@ def test_run_failures_are_the_runs_whose_latest_attempt_of_a_step_failed(url):
         attempt("failed-twice", "train", "FAILED", last_logged_loss=float("nan"))
         attempt("retrying", "train", "FAILED", last_logged_loss=3.0)
         attempt("retrying", "train", None)  # running
+        attempt("killed", "train", "CANCELED", last_logged_loss=2.5)
         attempt("eval-failed", "evaluate", "FAILED")
-        (failed,) = store.run_failures(["train"])
+        failed, killed = store.run_failures(["train"])
         assert (failed.run_id, failed.step) == ("failed-twice", "train")
         assert math.isnan(failed.properties["last_logged_loss"])  # the latest, NaN kept
+        assert (killed.run_id, killed.properties) == ("killed", {"last_logged_loss": 2.5})
         both = store.run_failures(["train", "evaluate"])
         assert [(f.run_id, f.step) for f in both] == [
             ("failed-twice", "train"),
+            ("killed", "train"),
             ("eval-failed", "evaluate"),
         ]
-        assert both[1].properties == {}
+        assert both[2].properties == {}

@@ -354,7 +354,8 @@ def test_a_new_sqlite_file_goes_to_wal_while_another_process_writes(tmp_path):
         opening.join(60)
         assert opened and isinstance(opened[0], LineageStore), opened
     finally:
-        writer.kill() if writer.poll() is None else None
+        if writer.poll() is None:
+            writer.kill()
         writer.wait()
     store = opened[0]
     with store.engine.connect() as connection:

@@ -177,6 +177,18 @@ def test_a_multi_megabyte_document_is_scored_and_refused(shape, megabytes, first
     assert apply_thresholds(scores, QualityThresholds())[:1] == [first_reason]
 
 
+@pytest.mark.parametrize("k", [1.0, 1.2, 2.0])
+def test_the_scaling_benchmark_fits_the_exponent_of_made_up_times(k):
+    """``make bench``'s check of how scoring grows with the length (no timing here)."""
+    from tests.bench.bench_quality_scaling import MAX_EXPONENT, fit_exponent
+
+    sizes = [0.5, 2, 8, 32]
+    assert fit_exponent(sizes, [0.03 * s**k for s in sizes]) == pytest.approx(k)
+    assert (fit_exponent(sizes, [s**k for s in sizes]) >= MAX_EXPONENT) == (k == 2.0)
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_exponent([4, 4], [1.0, 1.1])
+
+
 def test_line_rules_look_at_single_characters():
     # _line_scores checks a line's first and last character against these sets.
     assert all(len(c) == 1 for c in (*quality.BULLETS, *quality.TERMINAL_PUNCTUATION))

@@ -434,6 +434,16 @@ def test_the_runs_list_reads_each_steps_latest_attempt_even_without_results(stor
     header = html.rows[0][1]
     good = next(c for _, c in html.rows[1:] if c[0] == "good")
     assert [good[header.index(h)] for h in ("train loss", "held-out bits/byte")] == ["", "nan"]
+    # a training that diverged and was then killed: its NaN, not a blank
+    ex = store.start_execution("train", run_id="good", pipeline="slipway_pipeline")
+    diverged = {"last_logged_loss": float("nan"), "last_logged_loss_step": 7}
+    store.finish_execution(ex, "CANCELED", properties=diverged)
+    results = run_results(
+        store.run_outputs(RESULT_STEPS, RESULT_TYPES), store.run_failures(["train"])
+    )
+    html = parse(pages.runs_page(store.runs(), "/s", results=results))
+    good = next(c for _, c in html.rows[1:] if c[0] == "good")
+    assert good[header.index("train loss")] == "nan at step 7"
 
 
 def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
@@ -773,10 +783,15 @@ def test_the_sweeps_page_lists_nights_as_airflow_has_them(client, store, monkeyp
     monkeypatch.setattr(
         ui,
         "waiting_dag_runs",
-        lambda dags: {(d, "night-2"): (pages.DagRun("QUEUED"), tonight) for d in dags},
+        # Airflow's going nights: tonight's, queued, and night-1, which lineage already has
+        lambda dags: {
+            (pages.SWEEP_DAG, "night-2"): (pages.DagRun("QUEUED"), tonight),
+            (pages.SWEEP_DAG, "night-1"): (pages.DagRun("RUNNING"), tonight),
+        },
     )
     page = parse(client.get("/sweeps").text)
     rows = [cells for _, cells in page.rows]
+    assert [r[0] for r in rows[1:3]] == ["night-2", "night-1 ◀"]  # each night once
     assert rows[1] == ["night-2", "QUEUED", "queued 2030-01-02 02:00", "0", "0"]
     assert rows[2][:2] == ["night-1 ◀", "RUNNING"] and rows[2][3:] == ["1", "0"]
     assert "Night night-1" in _words(page)  # the newest night with a report
