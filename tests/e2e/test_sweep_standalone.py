@@ -272,3 +272,26 @@ def test_a_scheduled_night_loses_a_cell_and_a_backfill_reruns_only_that_cell(
         page.wait_for_function(
             "img => img.complete && img.naturalWidth > 0", arg=plot.element_handle()
         )
+
+    # -- 4. tonight's night, queued behind the paused DAG: listed before it records anything ----
+    queued = "sweep_queued"
+    af.api(
+        "POST",
+        f"/dags/{SWEEP_DAG_ID}/dagRuns",
+        json={"dag_run_id": queued, "logical_date": None, "conf": {}},
+    )
+    try:
+        with step(page, "sweep-page-queued-night", shots):
+            page.goto(f"{af.url}/slipway/sweeps")
+            rows = page.locator("table#nights tbody tr")
+            first = [c.inner_text().strip() for c in rows.nth(0).locator("td").all()]
+            assert first[:2] == [queued, "QUEUED"] and first[2].startswith("queued "), first
+            # the page still opens on the night with a report, not the empty queued one
+            assert page.locator("table#grid tbody tr").count() == len(report["cells"])
+            assert rows.nth(1).locator("td").first.inner_text().strip() == f"{run_id} ◀"
+            page.get_by_role("link", name=queued, exact=True).click()
+            page.wait_for_url("**/slipway/sweeps?night=**")
+            said = page.locator("#no-report").inner_text()
+            assert said.startswith("Airflow has queued this night"), said
+    finally:
+        af.client.delete(f"/api/v2/dags/{SWEEP_DAG_ID}/dagRuns/{queued}")
