@@ -73,15 +73,23 @@ FAULT_POLL_SECONDS = 0.05  # small models run hundreds of steps a second once co
 
 
 def last_logged_step(out: str, since: int = 0) -> int:
-    metrics = read_metrics(out, since)
+    return _last_step(read_metrics(out, since))
+
+
+def _last_step(metrics: list[dict[str, Any]]) -> int:
     return int(metrics[-1]["step"]) if metrics else 0
 
 
-def last_logged_loss(metrics: list[dict[str, Any]]) -> tuple[int, float] | None:
-    """(step, loss) of the last step of ``metrics`` (:func:`read_metrics`) with a loss (NaN
-    for a diverged one), or None. Every attempt's lines count, as on the run page's curve."""
+def last_loss_properties(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a failed training records of where it stopped, for the runs list: the last loss
+    in ``metrics`` (:func:`read_metrics`; NaN for a diverged run) and its step, or None for
+    both before any loss. Every attempt's lines count, as on the run page's curve."""
     logged = [m for m in metrics if m.get("loss") is not None]
-    return (int(logged[-1]["step"]), float(logged[-1]["loss"])) if logged else None
+    last = logged[-1] if logged else None
+    return {
+        "last_logged_loss": float(last["loss"]) if last else None,
+        "last_logged_loss_step": int(last["step"]) if last else None,
+    }
 
 
 def fault_watch(out: str, fail_at: int, start_step: int | None) -> Callable[[], str | None] | None:
@@ -632,14 +640,11 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     def _failure_properties(spec: StepSpec) -> dict[str, Any]:
         ckpt = last_checkpoint(spec.output_path)
         metrics = read_metrics(spec.output_path)  # one read: on GCS, a download
-        loss = last_logged_loss(metrics)
         return {
             "last_checkpoint": ckpt[1] if ckpt else None,
             "last_checkpoint_step": ckpt[0] if ckpt else None,
-            "last_logged_step": int(metrics[-1]["step"]) if metrics else 0,
-            # the loss where it stopped: the runs list shows it for a failed training
-            "last_logged_loss": loss[1] if loss else None,
-            "last_logged_loss_step": loss[0] if loss else None,
+            "last_logged_step": _last_step(metrics),
+            **last_loss_properties(metrics),
             "trainer_result": _read_json(join(spec.output_path, rundir.RESULT)),
             "resumable": ckpt is not None,
         }

@@ -72,6 +72,7 @@ def _env() -> Any:
         below_chance_note=BELOW_CHANCE_NOTE,
         changed_settings=changed_settings,
         trace_href=_trace_link,
+        queued_unrecorded=queued_unrecorded,
     )
     return env
 
@@ -129,6 +130,11 @@ def fmt_duration(seconds: float | None) -> str:
     return (
         f"{minutes} min {s:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
     )
+
+
+def queued_unrecorded(run: RunSummary) -> bool:
+    """Queued in Airflow with nothing in lineage yet: its start is when it was queued."""
+    return run.state == "QUEUED" and not run.counts
 
 
 def run_duration(run: RunSummary) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from operators.lineage import LineageStore
 from operators.promotion import PROMOTED_MODEL, model_uri, promotion_version
+from operators.training import last_loss_properties
+from trainer.rundir import read_metrics
 
 PIPELINE = "slipway_pipeline"
 TRAIN_STEPS = 20
@@ -105,7 +107,7 @@ def record_run(
             properties={
                 "last_checkpoint_step": 10,
                 "resumable": True,
-                **_last_loss(train_dir),
+                **last_loss_properties(read_metrics(str(train_dir))),
             },
             ended_at=t + 4 * tick,
         )
@@ -184,12 +186,3 @@ def _record_summary(store: LineageStore, run_id: str, t: datetime, *, failed: bo
     ex = store.start_execution("record", run_id=run_id, pipeline=PIPELINE, started_at=t)
     store.record_output(ex, f"/runs/{run_id}/summary.json", "run_summary", properties=summary)
     store.finish_execution(ex, ended_at=t + timedelta(seconds=1))
-
-
-def _last_loss(train_dir: Path) -> dict[str, float | int | None]:
-    """The loss a failing ``train`` records, read by the operator's own function."""
-    from operators.training import last_logged_loss
-    from trainer.rundir import read_metrics
-
-    step, loss = last_logged_loss(read_metrics(str(train_dir))) or (None, None)
-    return {"last_logged_loss": loss, "last_logged_loss_step": step}
