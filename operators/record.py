@@ -176,7 +176,8 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
         """The run's self-contained ``report.html`` (operators/reports/static.py), recorded as
         an output of ``record``. A report that cannot be written is logged, never fatal: the
         summary and lineage above are the record of the run."""
-        from operators.reports.static import REPORT_ARTIFACT, write_run_report
+        from operators.reports.static import write_run_report
+        from operators.reports.view import REPORT_ARTIFACT
 
         try:
             path = write_run_report(store, run_id)

@@ -23,7 +23,7 @@ from operators.lineage.render import render_run, run_failed
 from operators.lineage.url import redacted
 from operators.promotion import gate_line, gate_outcome
 from operators.reports.pages import PIPELINE_DAG as PIPELINE
-from operators.reports.static import REPORT_ARTIFACT
+from operators.reports.view import run_view
 from operators.settings import storage_root
 
 
@@ -53,14 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = gate_line(gate_outcome([node.execution for node in graph.steps]))
         if line is not None:
             print(f"\n{line}")
-        reports = [
-            o.artifact.uri
-            for node in graph.steps
-            for o in node.outputs
-            if o.artifact.type == REPORT_ARTIFACT
-        ]
-        if reports:
-            print(f"\nreport: {reports[-1]}  (also under Slipway in the Airflow UI)")
+        report = run_view(graph).report
+        if report:
+            print(f"\nreport: {report}  (also under Slipway in the Airflow UI)")
     return 1 if run_failed(graph) else 0
 
 

@@ -1,6 +1,8 @@
 """Each run's self-contained ``report.html`` (``{root}/runs/<run_id>/report.html``): the run
 page with its loss plot inline and no links, for users without the Airflow UI. The ``record``
-task writes it after the run summary (``operators/record.py``); the end-of-run summary names it.
+task writes it after the run summary (``operators/record.py``) and records it as an output of
+type ``REPORT_ARTIFACT`` (:mod:`operators.reports.view`, where the run page finds it); the
+end-of-run summary names it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from operators.lineage.store import LineageStore
 from operators.reports.pages import run_page
 
 REPORT_FILE = "report.html"
-REPORT_ARTIFACT = "run_report"  # its artifact type in lineage, an output of ``record``
 
 
 def report_path(run_id: str) -> str:

@@ -32,6 +32,7 @@ from operators.promotion import HELDOUT_PREFIX, MODEL_URI_PREFIX, Metrics, gate_
 
 TRACEBACK_TAIL_LINES = 12
 RUN_SUMMARY = "run_summary"  # the artifact type of record's and the sweep check's summaries
+REPORT_ARTIFACT = "run_report"  # record's static report.html (operators/reports/static.py)
 BAD_STATES = (ExecutionState.FAILED, ExecutionState.CANCELED)
 # Airflow's task states of a task that never ran in the run (None: no state at all).
 _NOT_RUN = (None, "upstream_failed", "skipped", "removed", "scheduled", "queued", "none")
@@ -109,6 +110,8 @@ class RunView:
     # What validate recorded on the run: "params" (the form's values) and "changed" (those
     # not at the DAG form's defaults). Empty for runs recorded before it did.
     run_properties: Mapping[str, Any] = field(default_factory=dict)
+    # The run's static report.html (record's output; None: not written, as for a sweep night)
+    report: str | None = None
 
     @property
     def heldout_bits_per_byte(self) -> float | None:
@@ -254,6 +257,7 @@ def run_view(graph: RunGraph) -> RunView:
     rows, evaluations, benchmarks, exports = [], [], [], []
     samples: Mapping[str, Any] = {}
     training = None
+    report = None
     for name, node in latest.items():
         for link in node.outputs:
             a = link.artifact
@@ -270,6 +274,8 @@ def run_view(graph: RunGraph) -> RunView:
                     evaluations.append((label, dict(a.counts or {})))
             elif a.type == ArtifactType.HF_EXPORT:
                 exports.append(a.uri)
+            elif a.type == REPORT_ARTIFACT:
+                report = a.uri
         found = _training(node)
         if found is not None and (name == "train" or training is None):
             training = found
@@ -298,6 +304,7 @@ def run_view(graph: RunGraph) -> RunView:
         task_states=dict(summary.get("task_states") or {}),
         train_output=_output(latest.get("train")),
         run_properties=dict(graph.run.properties),
+        report=report,
     )
 
 

@@ -540,6 +540,27 @@ def test_the_static_report_is_self_contained(store, tmp_path):
     assert "trace it to its raw inputs" not in body  # no links out of the file
 
 
+def test_the_run_page_links_a_static_report_only_once_one_is_written(client, store):
+    """The link appears once ``record`` has written the file and recorded it, never as a link
+    to a 404: a sweep night writes none, and its page links the night's sweep report instead."""
+    from operators.record import RecordRunOperator
+
+    assert "/runs/good/report.html" not in client.get("/runs/good").text
+    execution = store.start_execution("record", run_id="good", pipeline=pages.PIPELINE_DAG)
+    RecordRunOperator(task_id="record")._write_report(store, "good", execution)
+    store.finish_execution(execution)
+    page = client.get("/runs/good").text
+    assert 'href="/slipway/runs/good/report.html" id="static-report"' in page
+    assert client.get("/runs/good/report.html").status_code == 200
+    assert 'id="sweep-night"' not in page
+
+    night = store.start_execution("check", run_id="night-1", pipeline=pages.SWEEP_DAG)
+    store.finish_execution(night)
+    night_page = client.get("/runs/night-1").text
+    assert "/runs/night-1/report.html" not in night_page
+    assert 'href="/slipway/sweeps?night=night-1" id="sweep-night"' in night_page
+
+
 def test_the_loss_curve_is_read_from_the_metrics_log(store):
     view = run_view(store.run_graph("good"))
     curve = loss_curve(view)
