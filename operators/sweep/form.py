@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from operators.pipeline.form import (
@@ -164,7 +164,8 @@ def _with_platform_sweep(
     fields: dict[str, dict[str, Any]], environ: Mapping[str, str] | None
 ) -> dict[str, dict[str, Any]]:
     """The form with ``$SLIPWAY_SWEEP_CONF``'s values as its defaults, each checked against its
-    field's schema at parse time (a bad one would refuse every night, far from its cause).
+    field's schema at parse time, then the budgets across fields (:func:`budget_problems`): a
+    bad one would refuse every night, far from its cause.
 
     The variable holds a JSON object (what the Helm chart's ``sweepForm`` sets), or the path
     of a file holding one.
@@ -195,9 +196,31 @@ def _with_platform_sweep(
             problems.append(f"{name}: {reason}")
         else:
             fields[name] = {**fields[name], "default": value}
+    if not problems:  # and the rules across fields that need no tokenizer: every night's
+        problems = budget_problems(  # validate would refuse these defaults
+            fields["budgets"]["default"], fields["forecast_budgets"]["default"]
+        )
     if problems:
         raise PlatformDefaultsError(f"{where}: invalid sweep defaults:\n  " + "\n  ".join(problems))
     return fields
+
+
+def budget_problems(budgets: Sequence[float], forecasts: Sequence[float]) -> list[str]:
+    """The budgets' rules across fields, each naming its field: the fitted budgets strictly
+    increasing, and every forecast above the largest (a forecast extrapolates)."""
+    problems: list[str] = []
+    budgets = list(budgets)
+    if any(not math.isfinite(b) for b in budgets):
+        problems.append("budgets: every budget must be a finite number of FLOPs")
+    elif budgets != sorted(budgets) or len(set(budgets)) != len(budgets):
+        problems.append(f"budgets: must be strictly increasing, got {budgets}")
+    if budgets and any(f <= max(budgets) for f in forecasts):
+        low = ", ".join(f"{f:.3g}" for f in sorted(f for f in forecasts if f <= max(budgets)))
+        problems.append(
+            f"forecast_budgets: [{low}] not above the largest fitted budget "
+            f"({max(budgets):.3g}): a forecast extrapolates"
+        )
+    return problems
 
 
 def check_sweep_config(params: Mapping[str, Any], vocab_size: int) -> None:
@@ -207,18 +230,8 @@ def check_sweep_config(params: Mapping[str, Any], vocab_size: int) -> None:
     """
     from operators.sweep.grid import grid_for
 
-    problems: list[str] = []
     budgets = list(params["budgets"])
-    if any(not math.isfinite(b) for b in budgets):
-        problems.append("budgets: every budget must be a finite number of FLOPs")
-    elif budgets != sorted(budgets) or len(set(budgets)) != len(budgets):
-        problems.append(f"budgets: must be strictly increasing, got {budgets}")
-    forecasts = list(params["forecast_budgets"])
-    if budgets and any(f <= max(budgets) for f in forecasts):
-        problems.append(
-            f"forecast_budgets: {sorted(f for f in forecasts if f <= max(budgets))} not above "
-            f"the largest fitted budget ({max(budgets):.3g}): a forecast extrapolates"
-        )
+    problems = budget_problems(budgets, params["forecast_budgets"])
     if not problems:
         try:
             cells = grid_for(params, vocab_size)

@@ -641,10 +641,23 @@ def test_the_nightly_sweep_is_set_in_the_values_and_checked_at_parse() -> None:
     from operators.sweep.form import sweep_form_fields
 
     assert "SLIPWAY_SWEEP_CONF" not in config_of(render("production"))  # the form's own
-    nightly = {"budgets": [1.0e16, 3.0e16, 1.0e17], "points": 5, "seeds": [0], "backend": "gke"}
+    nightly = {
+        "budgets": [1.0e16, 3.0e16, 1.0e17],
+        "forecast_budgets": [1.0e18],
+        "points": 5,
+        "seeds": [0],
+        "backend": "gke",
+    }
     data = config_of(render("production", sweepForm=nightly))
     fields = sweep_form_fields({"SLIPWAY_SWEEP_CONF": data["SLIPWAY_SWEEP_CONF"]})
     assert {name: fields[name]["default"] for name in nightly} == nightly
+    # Larger budgets with the form's own forecast (3e13) would fail every night's validate:
+    # refused when the DAG is parsed instead, naming the field to set.
+    no_forecast = {k: v for k, v in nightly.items() if k != "forecast_budgets"}
+    data = config_of(render("production", sweepForm=no_forecast))
+    with pytest.raises(PlatformDefaultsError) as err:
+        sweep_form_fields({"SLIPWAY_SWEEP_CONF": data["SLIPWAY_SWEEP_CONF"]})
+    assert "forecast_budgets: [3e+13] not above the largest fitted budget (1e+17)" in str(err.value)
     bad = config_of(render("production", sweepForm={"points": 1, "lr": 0.1}))
     with pytest.raises(PlatformDefaultsError) as err:
         sweep_form_fields({"SLIPWAY_SWEEP_CONF": bad["SLIPWAY_SWEEP_CONF"]})

@@ -382,6 +382,9 @@ def test_the_platform_sets_the_nightly_sweep_and_a_bad_value_is_refused_at_parse
     assert fields["seeds"]["default"] == [0, 1]
     assert fields["recipe"]["default"] == "marin-2025"  # the rest stay the form's
 
+    conf.write_text(json.dumps({"budgets": [3e10, 1e10]}))  # each value fits its schema
+    with pytest.raises(PlatformDefaultsError, match=r"budgets: must be strictly increasing"):
+        sweep_form_fields({SWEEP_CONF_ENV: str(conf)})
     conf.write_text(json.dumps({"points": 2, "learning_rate": 0.1}))
     with pytest.raises(PlatformDefaultsError) as err:
         sweep_form_fields({SWEEP_CONF_ENV: str(conf)})
