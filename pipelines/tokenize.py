@@ -9,8 +9,8 @@ of the input. Each worker encodes its shard with SentencePiece in batches (one C
 ``batch_docs`` documents, ``encode_threads`` threads, numpy output, EOS appended) and appends
 each batch to the shard (``tokenstore.ShardWriter``). A final single-element step writes the store's ledger
 (``tokenstore.finalize``: vocabulary size, EOS id, tokenizer sha256, and this run's counts),
-then the stage manifest. When the inputs are stage outputs sharded like the store (the DAG's
-case), a worker merges them as it reads and holds one batch at a time; otherwise it holds one
+then the stage manifest. When the inputs are stage outputs sharded like the store (not the
+DAG's case: its ``split`` writes one file per source), a worker merges them as it reads and holds one batch at a time; otherwise it holds one
 shard's documents (after the shuffle), never the corpus: choose ``--num_shards`` so that a
 shard fits a worker comfortably.
 
