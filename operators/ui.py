@@ -11,7 +11,7 @@ replacing promotion's, another version's writer) unless the user may read it. Th
 ``operators/reports``' (no Airflow there); this module only wires them to HTTP.
 
     /slipway/                       every run with its results and changed settings,
-                                    filterable (?pipeline= &state= &q=)
+                                    filterable (?pipeline= &state= &q=), 200 a page (&page=)
     /slipway/runs/<run_id>          one run: settings, steps, loss curve, evaluation,
                                     benchmarks, samples, the promotion decision (and whether a
                                     later one replaced it); a failed run's cause and resume plan
@@ -283,6 +283,7 @@ def runs(
     pipeline: str = Query("", max_length=250),
     state: str = Query("", max_length=20),
     q: str = Query("", max_length=250),
+    page: int = Query(1, ge=1, le=1_000_000),
 ) -> Any:
     try:
         recorded = store().runs()
@@ -298,7 +299,7 @@ def runs(
     results = run_results(
         store().run_outputs(RESULT_STEPS, RESULT_TYPES), store().run_failures(["train"])
     )
-    return pages.runs_page(all_runs, _base(request), filters, results)
+    return pages.runs_page(all_runs, _base(request), filters, results, page)
 
 
 @app.get("/runs/{run_id}", response_class=HTMLResponse)

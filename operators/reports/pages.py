@@ -244,20 +244,35 @@ def not_yet_recorded(
     ]
 
 
+RUNS_PER_PAGE = 200  # rows of the runs list: a year of nightly sweeps and triggers is thousands
+
+
 def runs_page(
     runs: Sequence[RunSummary],
     base: str,
     filters: RunFilters | None = None,
     results: Mapping[str, RunResult] | None = None,
+    page: int = 1,
 ) -> str:
-    """Every run (``LineageStore.runs()``, newest first) that passes ``filters``, with its
+    """The runs (``LineageStore.runs()``, newest first) that pass ``filters``, ``RUNS_PER_PAGE``
+    a page (``page`` 1 is the newest; one past the last shows the last), each with its
     ``results`` (:func:`~operators.reports.view.run_results`, by run id) where it has some."""
     filters = filters or RunFilters()
-    shown = [r for r in runs if filters.keep(r)]
+    matching = [r for r in runs if filters.keep(r)]
+    pages = max(1, -(-len(matching) // RUNS_PER_PAGE))
+    page = min(max(page, 1), pages)
+    first = (page - 1) * RUNS_PER_PAGE
+    shown = matching[first : first + RUNS_PER_PAGE]
+    query = {k: v for k, v in dataclasses.asdict(filters).items() if v}
     return _render(
         "runs.html",
         base,
         runs=shown,
+        first=first,
+        matching=len(matching),
+        page=page,
+        pages=pages,
+        page_query=lambda n: {**query, "page": n},
         results=results or {},
         no_result=RunResult(),
         total=len(runs),

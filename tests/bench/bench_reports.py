@@ -7,7 +7,8 @@ lineage store through the operators' own API (``tests/support/report_runs.py``: 
 and about fifteen artifacts each), then times, median of ``--repeat``, through the plugin's app
 (``operators/ui.py`` with Airflow's authentication dependency overridden, FastAPI's test client):
 
-* ``GET /`` -- the runs list, all of them: the number that must stay under 1 s;
+* ``GET /`` -- the runs list's first page (``pages.RUNS_PER_PAGE`` rows), over all of them: the
+  number that must stay under 1 s;
 * ``GET /runs/<id>`` and ``/runs/<id>/loss.png`` for one run among them (the plot drawn, kept
   from an earlier request, and revalidated by its ETag: 304);
 * ``GET /trace`` of that run's checkpoint.

@@ -370,6 +370,31 @@ def test_the_runs_list_filters(store):
     assert good[6] == "1"  # one cache hit (quality)
 
 
+def test_the_runs_list_is_paged_and_its_links_keep_the_filters(client, store, monkeypatch):
+    """``RUNS_PER_PAGE`` rows a page, newest first; the links to newer and older pages keep the
+    filters; a page past the last shows the last, and page 0 is refused."""
+    for name in ("night-a", "night-b"):
+        store.finish_execution(store.start_execution("fetch", run_id=name, pipeline="p"))
+    newest_first = [r.run_id for r in store.runs() if r.run_id.startswith("night-")]
+    assert _words(parse(client.get("/").text)).count("older →") == 0  # 4 runs: one page
+
+    monkeypatch.setattr(pages, "RUNS_PER_PAGE", 1)
+    first = client.get("/", params={"q": "night-", "state": "COMPLETE"}).text
+    html = parse(first)
+    assert [c[0] for _, c in html.rows[1:]] == newest_first[:1]
+    assert "1-1 of 2 matching, 4 runs" in _words(html)
+    assert 'href="/slipway/?state=COMPLETE&amp;q=night-&amp;page=2" rel="next"' in first
+    assert 'rel="prev"' not in first  # the newest page has no newer one
+    second = client.get("/", params={"q": "night-", "state": "COMPLETE", "page": 2}).text
+    assert [c[0] for _, c in parse(second).rows[1:]] == newest_first[1:]
+    assert "2-2 of 2 matching, 4 runs" in _words(parse(second))
+    assert 'href="/slipway/?state=COMPLETE&amp;q=night-&amp;page=1" rel="prev"' in second
+    assert 'rel="next"' not in second
+    past = client.get("/", params={"q": "night-", "state": "COMPLETE", "page": 9}).text
+    assert [c[0] for _, c in parse(past).rows[1:]] == newest_first[1:]
+    assert client.get("/", params={"page": 0}).status_code == 422
+
+
 def test_the_runs_list_shows_each_runs_results(store):
     """Train loss, held-out bits/byte (the gate's mean) and the promoted model, read in one
     query for every run, from each step's last attempt."""
