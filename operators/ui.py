@@ -399,7 +399,9 @@ def static_report(run_id: str, readable: Access) -> Any:
         with fsspec.open(report_path(run_id), "r") as f:
             return f.read()
     except FileNotFoundError as exc:
-        raise HTTPException(404, f"run {run_id!r} has not written its report yet") from exc
+        raise HTTPException(
+            404, f"run {run_id!r}: no report.html (not written yet, or since removed)"
+        ) from exc
 
 
 @app.get("/trace", response_class=HTMLResponse)

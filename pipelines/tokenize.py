@@ -10,9 +10,9 @@ of the input. Each worker encodes its shard with SentencePiece in batches (one C
 each batch to the shard (``tokenstore.ShardWriter``). A final single-element step writes the store's ledger
 (``tokenstore.finalize``: vocabulary size, EOS id, tokenizer sha256, and this run's counts),
 then the stage manifest. When the inputs are stage outputs sharded like the store (not the
-DAG's case: its ``split`` writes one file per source), a worker merges them as it reads and holds one batch at a time; otherwise it holds one
-shard's documents (after the shuffle), never the corpus: choose ``--num_shards`` so that a
-shard fits a worker comfortably.
+DAG's case: its ``split`` writes one file per source), a worker merges them as it reads and
+holds one batch at a time; otherwise it holds one shard's documents (after the shuffle), never
+the corpus: choose ``--num_shards`` so that a shard fits a worker comfortably.
 
 The output directory is the store root: ``shards/``, ``ledger.json``, plus ``dead_letter/``
 and ``manifest.json`` (``pipelines.artifact_stage``). ``records_out`` is the number of

@@ -215,10 +215,10 @@ def budget_problems(budgets: Sequence[float], forecasts: Sequence[float]) -> lis
     elif budgets != sorted(budgets) or len(set(budgets)) != len(budgets):
         problems.append(f"budgets: must be strictly increasing, got {budgets}")
     if budgets and any(f <= max(budgets) for f in forecasts):
-        low = ", ".join(f"{f:.3g}" for f in sorted(f for f in forecasts if f <= max(budgets)))
+        low = ", ".join(f"{f:.6g}" for f in sorted(f for f in forecasts if f <= max(budgets)))
         problems.append(
             f"forecast_budgets: [{low}] not above the largest fitted budget "
-            f"({max(budgets):.3g}): a forecast extrapolates"
+            f"({max(budgets):.6g}): a forecast extrapolates"
         )
     return problems
 

