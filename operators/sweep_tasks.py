@@ -202,13 +202,14 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
 
         from operators.settings import write_run_file
         from operators.steps import Status, probe
-        from operators.sweep.grid import add_estimates, cell_train_step, forecast_cells
+        from operators.sweep.grid import add_estimates, cell_steps, forecast_cells
         from operators.sweep.outcomes import (
             find_registration,
             fit_record,
             forecast_body,
             forecast_from,
             preregister,
+            registration_key,
         )
 
         self.require_run_owned(context)  # all_done: runs even after validate refused the run
@@ -233,8 +234,9 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
         )
         forecasts = []
         for cell in runs:
-            train = cell_train_step(cell, graph)
-            earlier = find_registration(root, train.key)
+            train, evaluate = cell_steps(cell, graph, params)
+            key = registration_key(train, evaluate, params["metric"])
+            earlier = find_registration(root, key)
             if earlier is not None:
                 # Forecast before, on an earlier night (or try): that registration stands.
                 path, body = earlier
@@ -251,9 +253,7 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
             if prediction is None:
                 continue
             trained = probe(root, train).status
-            body = forecast_body(
-                context.get("run_id"), cell, train, prediction, record, params["metric"]
-            )
+            body = forecast_body(context.get("run_id"), cell, key, prediction, record)
             if trained is not None and trained.status is Status.SUCCESS:
                 body["post_hoc"] = True  # its run trained before any forecast: not a test
             path, digest, created = preregister(root, body)
@@ -429,6 +429,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
 
         forecasts = record.get("forecasts") or []
         outcomes = _outcomes(self, context, [f["cell"] for f in forecasts])
+        metric = self.run_params(context)["metric"]
         checks: list[dict[str, Any]] = []
         for forecast, outcome in zip(forecasts, outcomes, strict=True):
             registered = read_json(forecast["path"])
@@ -436,7 +437,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                 "budget": forecast["cell"]["budget"],
                 "forecast": forecast["path"],
                 "sha256": forecast["sha256"],
-                **check_forecast(registered, outcome["metric"]),
+                **check_forecast(registered, outcome["metric"], metric),
             }
             check["estimate"], check["actual"] = outcome["estimate"], outcome["actual"]
             if outcome["reason"]:
@@ -447,7 +448,6 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
                 execution, forecast["path"], "forecast", content_hash=forecast["sha256"]
             )
         write_run_file(context.get("run_id"), "forecast_checks.json", checks)
-        metric = self.run_params(context)["metric"]
         _record_report(store, execution, _write_report(context, record, checks, metric))
         return checks
 

@@ -8,8 +8,9 @@
   budgets; a fit that cannot be made is recorded with its reason instead;
 * :func:`preregister` -- a forecast written once, content-addressed
   (``{root}/sweep/forecasts/<sha256>.json``), before its run trains: a later night never
-  overwrites it (a create that finds the file leaves it as it was), and a run that was
-  forecast once keeps that first registration (:func:`find_registration`);
+  overwrites it (a create that finds the file leaves it as it was), and the same forecast
+  (the run, measured the same way: :func:`registration_key`) keeps its first registration
+  (:func:`find_registration`);
 * :func:`check_forecast` -- the outcome against the pre-registered prediction: relative error
   and whether it fell inside the interval.
 """
@@ -187,8 +188,17 @@ def forecast_from(record: Mapping[str, Any], budget: float) -> dict[str, Any] | 
     return None
 
 
-def find_registration(root: str, train_key: str) -> tuple[str, dict[str, Any]] | None:
-    """The earliest pre-registration of the run ``train_key``, or None."""
+def registration_key(train: Step, evaluate: Step, metric: str) -> dict[str, str]:
+    """What a forecast is of: the run (its train step) and how its outcome is measured (the
+    evaluate step, which names the stores and tokens, and the metric read from it)."""
+    return {"train_step": train.key, "evaluate_step": evaluate.key, "metric": metric}
+
+
+def find_registration(root: str, key: Mapping[str, str]) -> tuple[str, dict[str, Any]] | None:
+    """The earliest pre-registration of the same forecast (:func:`registration_key`), or None:
+    a night that measures the same run another way (bits/byte instead of loss, other stores)
+    forecasts afresh instead of being held to a prediction of something else. A registration
+    written before the evaluate step was part of the key matches on the rest."""
     import fsspec
 
     folder = join(root, FORECASTS)
@@ -200,7 +210,9 @@ def find_registration(root: str, train_key: str) -> tuple[str, dict[str, Any]] |
         if not str(name).endswith(".json"):
             continue
         body = json.loads(fs.cat_file(name))
-        if body.get("train_step") == train_key:
+        if body.get("train_step") == key["train_step"] and all(
+            body.get(k, v) == v for k, v in key.items()
+        ):
             uri = join(folder, str(name).rsplit("/", 1)[-1])
             found.append((body.get("registered_at", 0.0), uri, body))
     if not found:
@@ -224,34 +236,43 @@ def preregister(root: str, body: Mapping[str, Any]) -> tuple[str, str, bool]:
 def forecast_body(
     run_id: str,
     cell: Mapping[str, Any],
-    train: Step,
+    key: Mapping[str, str],
     prediction: Mapping[str, Any],
     record: Mapping[str, Any],
-    metric: str,
 ) -> dict[str, Any]:
-    """What a pre-registration holds: the budget, the run, the prediction, the fit's inputs."""
+    """What a pre-registration holds: the budget, what is forecast (``key``:
+    :func:`registration_key`), the prediction, and the cells the fits could use (a cell left
+    out with a reason, a diverged one included, is not an input)."""
     used = [
         {"label": o["label"], "steps": o["steps"], "metric": o["metric"]}
         for o in record["cells"]
-        if o["metric"] is not None
+        if o["metric"] is not None and o.get("reason") is None
     ]
     return {
         "registered_at": time.time(),
         "run_id": run_id,
         "budget": cell["budget"],
-        "metric": metric,
+        **key,
         "config": cell["plan"],
         "estimate": cell.get("estimate"),
-        "train_step": train.key,
         "predicted": dict(prediction),
         "fit_inputs": used,
     }
 
 
-def check_forecast(forecast: Mapping[str, Any], outcome: float | None) -> dict[str, Any]:
-    """The outcome against its pre-registered prediction (``inside_interval`` None when the
-    prediction had no interval)."""
+def check_forecast(
+    forecast: Mapping[str, Any], outcome: float | None, metric: str | None = None
+) -> dict[str, Any]:
+    """The outcome (of ``metric``, where given) against its pre-registered prediction
+    (``inside_interval`` None when the prediction had no interval). An outcome of another
+    metric than the one forecast is never compared."""
     predicted = forecast["predicted"]["metric"]
+    if metric is not None and forecast.get("metric") not in (None, metric):
+        return {
+            "outcome": outcome,
+            "checked": False,
+            "reason": f"forecast of {forecast['metric']}, measured {metric}: not comparable",
+        }
     if outcome is None or not math.isfinite(outcome):
         return {"outcome": outcome, "checked": False, "reason": "the forecast run has no metric"}
     low, high = predicted.get("low"), predicted.get("high")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from operators.sweep.form import (
 from operators.sweep.grid import (
     add_estimates,
     cell_evaluate_step,
+    cell_steps,
     cell_train_step,
     forecast_cells,
     grid_for,
@@ -27,10 +29,12 @@ from operators.sweep.grid import (
 from operators.sweep.outcomes import (
     cell_outcome,
     check_forecast,
+    find_registration,
     fit_record,
     forecast_body,
     forecast_from,
     preregister,
+    registration_key,
 )
 from tests.support.tiny_pipeline import make_corpora, tiny_conf
 from trainer.recipes import RECIPES
@@ -198,13 +202,29 @@ def test_outcomes_fits_and_a_failed_cell_left_out_with_its_reason(graph, tmp_pat
 def test_a_pre_registration_is_written_once_and_never_replaced(graph, tmp_path):
     root = str(tmp_path / "steps")
     (cell,) = forecast_cells(sweep_params(), VOCAB)
-    train = cell_train_step(cell, graph)
+    train, evaluate = cell_steps(cell, graph, sweep_params())
+    key = registration_key(train, evaluate, "loss")
     prediction = {"fit": "parametric", "metric": {"estimate": 3.0, "low": 2.9, "high": 3.1}}
-    record = {"cells": [{"label": "a", "steps": {}, "metric": 3.5}], "fits": {}}
-    body = forecast_body("night-1", cell, train, prediction, record, "loss")
+    record = {
+        "cells": [
+            {"label": "a", "steps": {}, "metric": 3.5, "reason": None},
+            {"label": "b", "steps": {}, "metric": math.nan, "reason": "diverged: loss NaN"},
+        ],
+        "fits": {},
+    }
+    body = forecast_body("night-1", cell, key, prediction, record)
+    assert [c["label"] for c in body["fit_inputs"]] == ["a"]  # a diverged cell is no input
     path, digest, created = preregister(root, body)
     assert created and Path(path).name == f"{digest}.json"
     assert json.loads(Path(path).read_text())["train_step"] == train.key
+    assert find_registration(root, key) == (path, json.loads(Path(path).read_text()))
+    # The same run measured another way is another forecast: never held to this one.
+    assert find_registration(root, {**key, "metric": "bits_per_byte"}) is None
+    other_stores = cell_steps(cell, graph, sweep_params(metric_stores=["heldout-brown"]))[1]
+    assert other_stores.key != evaluate.key
+    assert find_registration(root, {**key, "evaluate_step": other_stores.key}) is None
+    unchecked = check_forecast(json.loads(Path(path).read_text()), 1.2, "bits_per_byte")
+    assert not unchecked["checked"] and "not comparable" in unchecked["reason"]
     before = Path(path).read_bytes()
     again = preregister(root, body)
     assert again == (path, digest, False) and Path(path).read_bytes() == before
@@ -302,8 +322,8 @@ def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(
     record = fit_record(
         outcomes, {3e13: (run["plan"]["non_embedding_params"], run["plan"]["tokens"])}
     )
-    train = cell_train_step(run, graph)
-    body = forecast_body("night-1", run, train, forecast_from(record, 3e13), record, "loss")
+    key = registration_key(*cell_steps(run, graph, sweep_params()), "loss")
+    body = forecast_body("night-1", run, key, forecast_from(record, 3e13), record)
     path, digest, _ = preregister(root, body)
     record["forecasts"] = [{"cell": run, "path": path, "sha256": digest, "new": True}]
     registrations = {digest: json.loads(Path(path).read_text())}
