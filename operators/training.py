@@ -422,6 +422,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
                 lease=None,  # not ours to renew
                 poll_seconds=self.gke_poll_seconds,
                 log_seconds=self.gke_log_seconds,
+                owns_jobset=False,  # nor ours to delete when this task is killed
             ),
             method_name="execute_complete",
             kwargs={"execution_id": execution, "follow": target["lease"]["owner"]},

@@ -108,9 +108,12 @@ class JobSetTrigger(BaseTrigger):
         log_seconds: float = 60.0,
         log_lines: int = 20,
         error_backoff: float = 30.0,
+        owns_jobset: bool = True,
     ) -> None:
         super().__init__()
         self.handle = dict(handle)
+        # False for a run following another run's JobSet: it watches, never deletes
+        self.owns_jobset = bool(owns_jobset)
         self.cluster = dict(cluster or {})
         self.lease = dict(lease) if lease else None
         self.poll_seconds = float(poll_seconds)
@@ -134,6 +137,7 @@ class JobSetTrigger(BaseTrigger):
                 "log_seconds": self.log_seconds,
                 "log_lines": self.log_lines,
                 "error_backoff": self.error_backoff,
+                "owns_jobset": self.owns_jobset,
             },
         )
 
@@ -278,7 +282,14 @@ class JobSetTrigger(BaseTrigger):
     # -- ending -------------------------------------------------------------------------------
 
     async def on_kill(self) -> None:
-        """The user killed the deferred task: delete the JobSet, fail the step, free the lease."""
+        """The user killed the deferred task: delete the JobSet, fail the step, free the lease.
+        A run that follows another run's JobSet (``owns_jobset`` False) leaves that JobSet, and
+        the step its owner is training, alone."""
+        if not self.owns_jobset:
+            self._say(
+                f"killed while following JobSet {self.handle['name']}: not ours, left running"
+            )
+            return
         status = await self._hook().cancel(JobSetHandle.from_dict(self.handle))
         lease = self._lease_obj()
         if lease is not None:

@@ -508,7 +508,8 @@ def test_second_run_follows_the_owner_instead_of_waiting(fake, kubeconfig, home,
     first = _defer(owner, params)
     follower = _defer(second, params, run_id="manual__second")
     assert follower.kwargs["follow"] == first.kwargs["lease"]["owner"]
-    assert follower.trigger.lease is None  # not its lease to renew
+    assert follower.trigger.lease is None  # not its lease to renew...
+    assert not follower.trigger.owns_jobset and first.trigger.owns_jobset  # ...nor JobSet
     assert follower.trigger.handle == first.trigger.handle
     assert len(fake.created) == 1  # one JobSet for one step
     _, spec = _train_spec(params)
@@ -522,6 +523,23 @@ def test_second_run_follows_the_owner_instead_of_waiting(fake, kubeconfig, home,
     )
     assert result["outcome"] == "CACHED" and result["steps"] == 6
     assert len(fake.created) == 1
+
+
+def test_killing_a_follower_leaves_the_owners_jobset_training(fake, kubeconfig, home, params):
+    """A second run follows the owner's JobSet; marking the second run's task failed (or
+    clearing it) must not delete the JobSet the first run is training, nor fail its step."""
+    owner, second = _operator(), _operator()
+    first = _defer(owner, params)
+    follower = _defer(second, params, run_id="manual__second")
+    name = fake.created[-1]["metadata"]["name"]
+    asyncio.run(follower.trigger.on_kill())
+    assert (NS, name) in fake.jobsets and fake.deletions == []
+    _, spec = _train_spec(params)
+    assert _status(spec)[0]["status"] == "RUNNING"  # the owner still holds the step
+    fake.complete(NS, name)
+    event = _run_trigger(first.trigger)
+    _trainer_writes_results(spec.output_path)
+    assert owner.execute_complete(_context(params), event.payload, **first.kwargs)["steps"] == 6
 
 
 def test_a_follower_does_not_rerun_the_owners_failure(fake, kubeconfig, home, params):
