@@ -122,16 +122,8 @@ class StepRunner:
                 outcome = Outcome.WAITED if waited_for else Outcome.CACHED
                 log.info("%s: %s (%s)", step.key, outcome, reason)
                 return StepResult(outcome, spec, state.status)
-            failed = state.status
-            if (
-                action is Action.RUN
-                and waited_for
-                and failed is not None
-                and failed.status is Status.FAILED
-                and failed.owner == waited_for
-                and not failed.terminated  # killed, not failed: run it (resuming its work)
-            ):
-                raise StepFailedElsewhere(f"{step.key}: run by {waited_for} failed: {failed.error}")
+            if action is Action.RUN:
+                _raise_if_failed_by(step, state.status, waited_for)
             if action is Action.WAIT:
                 assert state.lease is not None
                 waited_for = state.lease.owner
@@ -145,12 +137,19 @@ class StepRunner:
             lease = self._held(step, spec, generation, holder)
             if not lease.acquire():
                 continue  # another runner won this generation: look again
-            # Double-check under the lease: a run may have finished between probe and acquire.
+            # Double-check under the lease: a run may have finished between probe and acquire,
+            # or between reading its RUNNING marker and its released lease (the owner writes
+            # its final status, then releases).
             status = read_status(self.store, out)
             if status is not None and status.status is Status.SUCCESS:
                 lease.release()
                 outcome = Outcome.WAITED if waited_for else Outcome.CACHED
                 return StepResult(outcome, spec, status)
+            try:
+                _raise_if_failed_by(step, status, waited_for)
+            except StepFailedElsewhere:
+                lease.release()
+                raise
             log.info("%s: running as %s (%s)", step.key, self.owner, reason)
             status = execute(spec, lease)
             return StepResult(Outcome.TOOK_OVER if took_over else Outcome.RAN, spec, status)
@@ -197,3 +196,17 @@ class StepRunner:
             lease.fail(exc)
             raise
         return lease.record(Status.RUNNING, result=jsonable(value))
+
+
+def _raise_if_failed_by(step: Step, status: StatusRecord | None, waited_for: str | None) -> None:
+    """``StepFailedElsewhere`` when the runner this one waited for failed the step: its
+    failure is the step's, and would only repeat here. A killed owner (``terminated``) did
+    not fail it: the step runs, resuming its work."""
+    if (
+        waited_for
+        and status is not None
+        and status.status is Status.FAILED
+        and status.owner == waited_for
+        and not status.terminated
+    ):
+        raise StepFailedElsewhere(f"{step.key}: run by {waited_for} failed: {status.error}")

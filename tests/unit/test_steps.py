@@ -254,6 +254,35 @@ def test_waiter_does_not_rerun_a_failure_it_waited_for(tmp_path):
     owner.join()
 
 
+def test_a_waiter_does_not_rerun_a_failure_that_lands_between_its_two_reads(tmp_path, monkeypatch):
+    """The waiter reads the owner's RUNNING marker, then its lease; the owner writes FAILED and
+    releases in between. The lease then looks free and the marker says RUNNING: under the
+    lease it takes, the waiter reads FAILED by the runner it waited for, and raises instead of
+    running the failure again."""
+    from operators.steps import runner as runner_module
+
+    step = Step("racy", {})
+    held: list[steps.HeldLease] = []
+    owner = StepRunner(str(tmp_path), owner="A", lease_seconds=30)
+    owner.run_held(step, lambda spec, lease: held.append(lease) or {})
+    real = runner_module.current_lease
+    reads: list[int] = []
+
+    def lease_read_after_the_owner_failed(store, out):
+        reads.append(1)
+        if len(reads) == 2:  # the waiter has seen A's live lease once: A fails right now
+            assert held[0].fail("oom")
+        return real(store, out)
+
+    monkeypatch.setattr(runner_module, "current_lease", lease_read_after_the_owner_failed)
+    calls: list[str] = []
+    with pytest.raises(StepFailedElsewhere, match="run by A failed: oom"):
+        StepRunner(str(tmp_path), owner="B", poll_seconds=0.01).run(step, _counting(calls))
+    assert calls == [] and len(reads) == 2
+    current = steps.current_lease(steps.LocalStore(), output_path(str(tmp_path), step))
+    assert current is not None and current.released and current.owner == "B"  # given back
+
+
 def test_a_waiter_runs_a_step_whose_owner_was_killed(tmp_path):
     """A task killed while it ran the step (AirflowTaskTerminated: marked failed from the UI,
     a timeout) did not fail the step: a runner that waited on it (the cleared task, another
