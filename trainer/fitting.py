@@ -471,7 +471,10 @@ def bootstrap(
     seed: int = 0,
 ) -> Bootstrap:
     """Refit ``fit`` on ``samples`` resamples of the usable ``cells`` (within each budget,
-    with replacement: every resample keeps the sweep's budgets) and give percentile intervals.
+    with replacement: every resample draws from each of the sweep's budgets) and give
+    percentile intervals. A refit may leave a budget out where its resample no longer brackets
+    a minimum, as the point fit would have: those refits count, so a grid whose minima sit
+    near its edge shows as wide intervals rather than being hidden by conditioning on them.
 
     ``fit`` is :func:`fit_isoflop`, or :func:`fit_parametric` (pass a warm-started one, e.g.
     ``functools.partial(fit_parametric, starts=[point_estimate_start])``, for speed).

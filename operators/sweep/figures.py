@@ -146,24 +146,44 @@ def isoflop_figure(night: Mapping[str, Any], metric: str) -> Any:
     cells = night["cells"]
     colours = _colours(sorted({c["budget"] for c in cells}))
     optima = {o["compute"]: o for o in (night["fits"].get("isoflop") or {}).get("optima") or []}
+    beyond = False  # any usable cell outside its budget's parabola window
     for budget, colour in colours.items():
         group = [c for c in cells if c["budget"] == budget]
         used = [c for c in group if _usable(c)]
         optimum = optima.get(budget)
+        # The parabola is fitted to the cells around the curve's minimum (optimum["cells"]):
+        # those beyond it are drawn hollow, and the curve is drawn over the window only.
+        window = set(optimum["cells"]) if optimum else {c["label"] for c in used}
+        fitted = [c for c in used if c["label"] in window]
+        outside = [c for c in used if c["label"] not in window]
+        beyond = beyond or bool(outside)
         ax.plot(
-            [c["params"] for c in used],
-            [c["metric"] for c in used],
+            [c["params"] for c in fitted],
+            [c["metric"] for c in fitted],
             "o",
             color=colour,
             label=f"C = {budget:.3g}" + ("" if optimum else " (no fitted minimum)"),
         )
-        if optimum and used:
+        if outside:
+            ax.plot(
+                [c["params"] for c in outside],
+                [c["metric"] for c in outside],
+                "o",
+                color=colour,
+                mfc="none",
+            )
+        if optimum and fitted:
             a, b, c = optimum["parabola"]
             xs = np.linspace(
-                math.log(min(u["params"] for u in used)), math.log(max(u["params"] for u in used))
+                math.log(min(u["params"] for u in fitted)),
+                math.log(max(u["params"] for u in fitted)),
             )
             ax.plot(np.exp(xs), a * xs**2 + b * xs + c, "-", color=colour, lw=1.2)
             ax.plot([optimum["params"]], [optimum["metric"]], "s", color=colour, ms=7, mec="k")
+    if beyond:
+        ax.plot(
+            [], [], "o", color="0.4", mfc="none", label="outside its parabola (approach 3 only)"
+        )
     _forecast_points(ax, night["forecasts"], "params")
     left = [f"[{c['index']}] {c['label']}: {c['reason']}" for c in cells if not _usable(c)]
     if left:

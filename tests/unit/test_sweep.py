@@ -308,6 +308,49 @@ def test_metric_stores_must_be_stores_of_the_run():
     check_sweep_config(sweep_params(metric_stores=["heldout-brown", "eval-lambada"]), VOCAB)
 
 
+def test_the_isoflop_plot_draws_each_parabola_over_the_cells_it_was_fitted_to():
+    """A budget's parabola is fitted to the cells around its minimum: the plot draws it over
+    those only, and the cells beyond (approach 3 still uses them) hollow, not as fitted."""
+    from operators.sweep.figures import isoflop_figure
+
+    sizes = [1e4, 2e4, 4e4, 8e4, 3.2e5]
+    cells = [
+        {
+            "index": i,
+            "label": f"c{i}",
+            "budget": 1e12,
+            "params": n,
+            "tokens": 1e12 / (6 * n),
+            "metric": 3.0 + (math.log(n / 4e4)) ** 2 / 4,
+            "reason": None,
+        }
+        for i, n in enumerate(sizes)
+    ]
+    optimum = {
+        "compute": 1e12,
+        "params": 4e4,
+        "metric": 3.0,
+        "cells": ["c1", "c2", "c3"],
+        "parabola": [0.25, -2 * 0.25 * math.log(4e4), 3.0 + 0.25 * math.log(4e4) ** 2],
+    }
+    night = {
+        "run_id": "night-1",
+        "cells": cells,
+        "forecasts": [],
+        "fits": {"isoflop": {"optima": [optimum]}},
+    }
+    ax = isoflop_figure(night, "loss").axes[0]
+    hollow = [line for line in ax.get_lines() if line.get_markerfacecolor() == "none"]
+    assert sorted(x for line in hollow for x in line.get_xdata()) == [1e4, 3.2e5]
+    (curve,) = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+    assert min(curve.get_xdata()) == pytest.approx(2e4) and max(curve.get_xdata()) == pytest.approx(
+        8e4
+    )
+    assert "outside its parabola (approach 3 only)" in [
+        t.get_text() for t in ax.get_legend().get_texts()
+    ]
+
+
 def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(
     graph, tmp_path, monkeypatch, capsys
 ):
