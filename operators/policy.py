@@ -182,6 +182,8 @@ class RunPolicy:
             )
             for key, field in checks:
                 listed("gke", gke, key, field)
+            if gke.get("namespace") in (None, ""):  # never Kubernetes' "default" by omission
+                out.append("gke.namespace: a gke run names its training namespace")
             if gke.get("cluster_name") not in (None, ""):
                 where = f"{gke.get('location') or ''}/{gke['cluster_name']}"
                 if gke.get("project_id"):

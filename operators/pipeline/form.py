@@ -281,7 +281,7 @@ def _form(platform: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             properties={
                 "project_id": {"type": "string"},
                 "location": {"type": "string"},
-                "temp_location": {"type": "string", "pattern": "^gs://"},
+                "temp_location": {"type": "string", "pattern": full_match(r"gs://\S+")},
                 "sdk_container_image": {"type": "string"},
                 "service_account": {"type": "string"},
                 "max_num_workers": {"type": "integer", "minimum": 1},

@@ -21,6 +21,7 @@ from operators.pipeline.form import (
     RunConfigError,
     field,
     form_fields,
+    full_match,
     schema_problem,
     unknown_fields,
 )
@@ -130,7 +131,7 @@ def sweep_form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dic
             "metric_stores": field(
                 [],
                 type="array",
-                items={"type": "string", "pattern": r"^(heldout|eval)-[a-z0-9-]{1,64}$"},
+                items={"type": "string", "pattern": full_match(r"(heldout|eval)-[a-z0-9-]{1,64}")},
                 uniqueItems=True,
                 title="Held-out stores of the metric",
                 description="e.g. heldout-brown; empty = every held-out store of the sources.",

@@ -445,6 +445,11 @@ def test_the_policy_is_enforced_where_values_are_used_too(dag, gke_platform, dat
     with pytest.raises(PolicyViolation, match=r"gke\.service_account 'cluster-admin'"):
         trainer_launch("train-x", refused, config_uri="gs://slipway-data/home/c.json")
     trainer_launch("train-x", _gke(dag), config_uri="gs://slipway-data/home/c.json")
+    # A gke object without a namespace (refused by validate) never falls to "default" here.
+    no_namespace = _gke(dag)
+    no_namespace["gke"] = {k: v for k, v in no_namespace["gke"].items() if k != "namespace"}
+    with pytest.raises(PolicyViolation, match=r"gke\.namespace: a gke run names"):
+        trainer_launch("train-x", no_namespace, config_uri="gs://slipway-data/home/c.json")
     stage = BeamStageOperator(stage_task="ingest")
     flow = _dataflow(dag, {"temp_location": "gs://attacker/t"})
     with pytest.raises(PolicyViolation, match=r"dataflow\.temp_location 'gs://attacker/t'"):
