@@ -544,15 +544,21 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             # Not this task's JobSet (a follower timed out, or a newer attempt owns it).
             self.log.warning("deferral ended (%s); no JobSet of this task to delete", error)
             return
-        reason = f"deferral ended: {getattr(error, 'value', error)}; JobSet deleted"
         handle = JobSetHandle.from_dict(saved["handle"])
         hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
+        ended = f"deferral ended: {getattr(error, 'value', error)}"
+        reason = f"{ended}; deleting JobSet {handle.name} did not finish"
         try:
             status = hook.cancel(handle)
+            reason = f"{ended}; JobSet deleted"
+            self.log.warning("JobSet %s: %s (%s)", handle.name, reason, status.message)
+        except Exception as exc:
+            reason = f"{ended}; deleting JobSet {handle.name} failed ({exc})"
+            raise
         finally:
             hook.close()
-        self.log.warning("JobSet %s: %s (%s)", handle.name, reason, status.message)
-        deferred.fail(saved.get("execution_id"), TrainingFailed(reason), saved["lease"])
+            # The step and its lineage end whatever the delete did (a rerun adopts the JobSet).
+            deferred.fail(saved.get("execution_id"), TrainingFailed(reason), saved["lease"])
 
     def _cancel_quietly(self, handle: Mapping[str, Any], output: str) -> None:
         from operators.hooks.jobset import JobSetHook

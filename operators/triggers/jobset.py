@@ -290,16 +290,25 @@ class JobSetTrigger(BaseTrigger):
                 f"killed while following JobSet {self.handle['name']}: not ours, left running"
             )
             return
-        status = await self._hook().cancel(JobSetHandle.from_dict(self.handle))
-        lease = self._lease_obj()
-        if lease is not None:
-            await asyncio.to_thread(
-                self._with_lease_lock,
-                lease.fail,
-                f"task killed while deferred: JobSet {self.handle['name']} deleted "
-                f"({status.message})",
-                terminated=True,  # killed, not failed: a run following it runs the step
-            )
+        name = self.handle["name"]
+        outcome = f"deleting JobSet {name} did not finish"  # cancelled (on_kill_timeout)
+        try:
+            status = await self._hook().cancel(JobSetHandle.from_dict(self.handle))
+            outcome = f"JobSet {name} deleted ({status.message})"
+        except Exception as exc:
+            outcome = f"deleting JobSet {name} failed ({exc}); a rerun adopts or replaces it"
+            raise
+        finally:
+            # The step is ended whatever the delete did: the cleared task's rerun must not
+            # wait out the lease, nor follow a JobSet its own kill was deleting.
+            lease = self._lease_obj()
+            if lease is not None:
+                await asyncio.to_thread(
+                    self._with_lease_lock,
+                    lease.fail,
+                    f"task killed while deferred: {outcome}",
+                    terminated=True,  # killed, not failed: a run following it runs the step
+                )
 
     async def cleanup(self) -> None:
         # Every exit, triggerer restarts included: release the client, never the JobSet.

@@ -451,6 +451,27 @@ def test_trigger_timeout_deletes_the_jobset(fake, kubeconfig, home, params):
     assert execution.state == "FAILED"
 
 
+def test_a_timeout_whose_delete_fails_still_ends_the_step(fake, kubeconfig, home, params):
+    """The deferral times out and the cluster refuses the delete: the step and its lineage
+    execution are still FAILED (a rerun adopts the JobSet), and the task fails as Airflow
+    fails it, the delete's error logged."""
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+
+    _defer(_operator(), params)
+    _, spec = _train_spec(params)
+    fake.inject(403, method="DELETE", path="/jobsets/", times=10, message="jobsets is forbidden")
+    with pytest.raises(TaskDeferralTimeout):
+        _operator().resume_execution(
+            TRIGGER_FAIL_REPR, {"error": "Trigger timeout"}, _context(params)
+        )
+    marker, _ = _status(spec)
+    assert marker["status"] == "FAILED" and "Trigger timeout" in marker["error"]
+    assert "deleting JobSet" in marker["error"] and "forbidden" in marker["error"]
+    (execution,) = _executions(home)
+    assert execution.state == "FAILED"
+
+
 def test_killed_while_deferred_deletes_jobset_and_frees_the_step(fake, kubeconfig, home, params):
     op = _operator()
     deferred = _defer(op, params)
@@ -481,6 +502,25 @@ def test_lease_taken_over_ends_the_trigger_without_deleting(fake, kubeconfig, ho
     with pytest.raises(LeaseLost):
         op.execute_complete(_context(params), event.payload, **deferred.kwargs)
     assert (NS, name) in fake.jobsets  # the new owner adopts it
+
+
+def test_a_kill_whose_delete_fails_still_ends_the_step(fake, kubeconfig, home, params):
+    """The cluster refuses the delete (403): the kill's error is raised, and the step is still
+    ended as killed, its lease released, so the cleared task's rerun neither waits out the
+    lease nor follows the JobSet its own kill was deleting."""
+    from operators.steps import current_lease
+
+    owner = _operator()
+    first = _defer(owner, params)
+    fake.inject(403, method="DELETE", path="/jobsets/", times=10, message="jobsets is forbidden")
+    with pytest.raises(Exception, match="forbidden"):
+        asyncio.run(first.trigger.on_kill())
+    _, spec = _train_spec(params)
+    marker, store = _status(spec)
+    assert marker["status"] == "FAILED" and marker["terminated"] is True
+    assert "deleting JobSet" in marker["error"] and "failed" in marker["error"]
+    lease = current_lease(store, spec.output_path)
+    assert lease is not None and lease.released
 
 
 def test_a_follower_runs_the_step_when_the_owners_task_was_killed(fake, kubeconfig, home, params):
