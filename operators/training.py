@@ -550,15 +550,18 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         reason = f"{ended}; deleting JobSet {handle.name} did not finish"
         try:
             status = hook.cancel(handle)
-            reason = f"{ended}; JobSet deleted"
-            self.log.warning("JobSet %s: %s (%s)", handle.name, reason, status.message)
+            reason = f"{ended}; JobSet {handle.name}: {status.message}"
+            self.log.warning("%s", reason)
         except Exception as exc:
             reason = f"{ended}; deleting JobSet {handle.name} failed ({exc})"
             raise
         finally:
-            hook.close()
-            # The step and its lineage end whatever the delete did (a rerun adopts the JobSet).
-            deferred.fail(saved.get("execution_id"), TrainingFailed(reason), saved["lease"])
+            # The step and its lineage end whatever the delete did (a rerun adopts the JobSet),
+            # before anything else here can fail.
+            try:
+                deferred.fail(saved.get("execution_id"), TrainingFailed(reason), saved["lease"])
+            finally:
+                hook.close()
 
     def _cancel_quietly(self, handle: Mapping[str, Any], output: str) -> None:
         from operators.hooks.jobset import JobSetHook

@@ -113,20 +113,22 @@ class StepRunner:
         out = spec.output_path
         self.store.makedirs(out)
         deadline = time.monotonic() + self.wait_timeout
-        waited_for: str | None = None
+        # Every runner whose live lease this one waited on: a failure of any of them is the
+        # step's (a waiter that checked under its own brief lease is one of them too).
+        waited: set[str] = set()
         while True:
             state = StepState(out, read_status(self.store, out), current_lease(self.store, out))
             action, reason = decide(state, time.time())
             if action is Action.SKIP:
                 assert state.status is not None
-                outcome = Outcome.WAITED if waited_for else Outcome.CACHED
+                outcome = Outcome.WAITED if waited else Outcome.CACHED
                 log.info("%s: %s (%s)", step.key, outcome, reason)
                 return StepResult(outcome, spec, state.status)
             if action is Action.RUN:
-                _raise_if_failed_by(step, state.status, waited_for)
+                _raise_if_failed_by(step, state.status, waited)
             if action is Action.WAIT:
                 assert state.lease is not None
-                waited_for = state.lease.owner
+                waited.add(state.lease.owner)
                 if time.monotonic() > deadline:
                     raise StepWaitTimeout(f"{step.key}: {reason}; gave up after waiting")
                 log.info("%s: waiting (%s)", step.key, reason)
@@ -143,10 +145,10 @@ class StepRunner:
             status = read_status(self.store, out)
             if status is not None and status.status is Status.SUCCESS:
                 lease.release()
-                outcome = Outcome.WAITED if waited_for else Outcome.CACHED
+                outcome = Outcome.WAITED if waited else Outcome.CACHED
                 return StepResult(outcome, spec, status)
             try:
-                _raise_if_failed_by(step, status, waited_for)
+                _raise_if_failed_by(step, status, waited)
             except StepFailedElsewhere:
                 lease.release()
                 raise
@@ -198,15 +200,14 @@ class StepRunner:
         return lease.record(Status.RUNNING, result=jsonable(value))
 
 
-def _raise_if_failed_by(step: Step, status: StatusRecord | None, waited_for: str | None) -> None:
-    """``StepFailedElsewhere`` when the runner this one waited for failed the step: its
-    failure is the step's, and would only repeat here. A killed owner (``terminated``) did
-    not fail it: the step runs, resuming its work."""
+def _raise_if_failed_by(step: Step, status: StatusRecord | None, waited: set[str]) -> None:
+    """``StepFailedElsewhere`` when a runner this one waited for failed the step: its failure
+    is the step's, and would only repeat here. A killed owner (``terminated``) did not fail
+    it: the step runs, resuming its work."""
     if (
-        waited_for
-        and status is not None
+        status is not None
         and status.status is Status.FAILED
-        and status.owner == waited_for
+        and status.owner in waited
         and not status.terminated
     ):
-        raise StepFailedElsewhere(f"{step.key}: run by {waited_for} failed: {status.error}")
+        raise StepFailedElsewhere(f"{step.key}: run by {status.owner} failed: {status.error}")

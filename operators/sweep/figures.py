@@ -155,6 +155,8 @@ def isoflop_figure(night: Mapping[str, Any], metric: str) -> Any:
         # those beyond it are drawn hollow, and the curve is drawn over the window only.
         window = set(optimum["cells"]) if optimum else {c["label"] for c in used}
         fitted = [c for c in used if c["label"] in window]
+        if not fitted:  # cells recorded without labels the fit knows: draw them all as used
+            window, fitted = {c["label"] for c in used}, used
         outside = [c for c in used if c["label"] not in window]
         beyond = beyond or bool(outside)
         ax.plot(

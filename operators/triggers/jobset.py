@@ -108,14 +108,15 @@ class JobSetTrigger(BaseTrigger):
         log_seconds: float = 60.0,
         log_lines: int = 20,
         error_backoff: float = 30.0,
-        owns_jobset: bool = True,
+        owns_jobset: bool | None = None,
     ) -> None:
         super().__init__()
         self.handle = dict(handle)
-        # False for a run following another run's JobSet: it watches, never deletes
-        self.owns_jobset = bool(owns_jobset)
-        self.cluster = dict(cluster or {})
         self.lease = dict(lease) if lease else None
+        # False for a run following another run's JobSet: it watches, never deletes. Unset (a
+        # trigger serialized before the flag): an owner is the one that holds the step's lease.
+        self.owns_jobset = self.lease is not None if owns_jobset is None else bool(owns_jobset)
+        self.cluster = dict(cluster or {})
         self.poll_seconds = float(poll_seconds)
         self.log_seconds = float(log_seconds)
         self.log_lines = int(log_lines)

@@ -294,7 +294,7 @@ def test_trigger_survives_a_serialize_round_trip(fake, kubeconfig, tmp_path):
 
 def test_trigger_on_kill_deletes_the_jobset_and_cleanup_does_not(fake, kubeconfig):
     handle = _submit(fake, kubeconfig)
-    trigger, _ = _trigger(handle, kubeconfig)
+    trigger, _ = _trigger(handle, kubeconfig, owns_jobset=True)
     asyncio.run(trigger.cleanup())  # every exit, e.g. a triggerer restart: JobSet untouched
     assert (NS, handle.name) in fake.jobsets
     asyncio.run(trigger.on_kill())
@@ -580,6 +580,22 @@ def test_killing_a_follower_leaves_the_owners_jobset_training(fake, kubeconfig, 
     event = _run_trigger(first.trigger)
     _trainer_writes_results(spec.output_path)
     assert owner.execute_complete(_context(params), event.payload, **first.kwargs)["steps"] == 6
+
+
+def test_a_trigger_serialized_before_owns_jobset_owns_only_with_a_lease(fake, kubeconfig):
+    """Triggers persisted by the triggerer before the flag existed carry no owns_jobset: an
+    owner's has the step's lease, a follower's none, and that decides what a kill deletes."""
+    from operators.triggers.jobset import JobSetTrigger
+
+    handle = _submit(fake, kubeconfig)
+    owner, _ = _trigger(handle, kubeconfig, lease={"owner": "a", "generation": 0})
+    _, kwargs = owner.serialize()
+    old = {k: v for k, v in kwargs.items() if k != "owns_jobset"}
+    assert JobSetTrigger(**old).owns_jobset
+    assert not JobSetTrigger(**{**old, "lease": None}).owns_jobset
+    follower, _ = _trigger(handle, kubeconfig)  # no lease, no flag: a follower's
+    asyncio.run(follower.on_kill())
+    assert (NS, handle.name) in fake.jobsets and fake.deletions == []
 
 
 def test_a_follower_does_not_rerun_the_owners_failure(fake, kubeconfig, home, params):

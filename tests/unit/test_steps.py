@@ -283,6 +283,38 @@ def test_a_waiter_does_not_rerun_a_failure_that_lands_between_its_two_reads(tmp_
     assert current is not None and current.released and current.owner == "B"  # given back
 
 
+def test_a_waiter_does_not_rerun_a_failure_after_another_waiter_checked_it(tmp_path, monkeypatch):
+    """C waits on A. A fails; waiter B takes the next lease to check, finds A's failure and
+    gives the lease back. C, which saw B's lease live in between, still raises: it waited on A
+    too, and A's failure is the step's."""
+    from operators.steps import runner as runner_module
+    from operators.steps.version import resolve
+
+    step = Step("racy3", {})
+    held: list[steps.HeldLease] = []
+    StepRunner(str(tmp_path), owner="A", lease_seconds=30).run_held(
+        step, lambda spec, lease: held.append(lease) or {}
+    )
+    b = StepRunner(str(tmp_path), owner="B", lease_seconds=30)
+    b_lease = b._held(step, resolve(step, str(tmp_path)), held[0].generation + 1, None)
+    real = runner_module.current_lease
+    reads: list[int] = []
+
+    def interleaved(store, out):
+        reads.append(1)
+        if len(reads) == 2:  # C has waited on A once: A fails, B takes the next lease
+            assert held[0].fail("oom") and b_lease.acquire()
+        if len(reads) == 3:  # C has waited on B once: B found the failure and gave it back
+            b_lease.release()
+        return real(store, out)
+
+    monkeypatch.setattr(runner_module, "current_lease", interleaved)
+    calls: list[str] = []
+    with pytest.raises(StepFailedElsewhere, match="run by A failed: oom"):
+        StepRunner(str(tmp_path), owner="C", poll_seconds=0.01).run(step, _counting(calls))
+    assert calls == [] and len(reads) == 3
+
+
 def test_a_waiter_runs_a_step_whose_owner_was_killed(tmp_path):
     """A task killed while it ran the step (AirflowTaskTerminated: marked failed from the UI,
     a timeout) did not fail the step: a runner that waited on it (the cleared task, another

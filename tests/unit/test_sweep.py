@@ -225,6 +225,13 @@ def test_a_pre_registration_is_written_once_and_never_replaced(graph, tmp_path):
     assert find_registration(root, {**key, "evaluate_step": other_stores.key}) is None
     unchecked = check_forecast(json.loads(Path(path).read_text()), 1.2, "bits_per_byte")
     assert not unchecked["checked"] and "not comparable" in unchecked["reason"]
+    # A registration from before the evaluate step was recorded matches on run and metric.
+    legacy_root = str(tmp_path / "legacy")
+    legacy = {k: v for k, v in body.items() if k != "evaluate_step"}
+    legacy_path, _, _ = preregister(legacy_root, legacy)
+    found = find_registration(legacy_root, {**key, "evaluate_step": other_stores.key})
+    assert found is not None and found[0] == legacy_path
+    assert find_registration(legacy_root, {**key, "metric": "bits_per_byte"}) is None
     before = Path(path).read_bytes()
     again = preregister(root, body)
     assert again == (path, digest, False) and Path(path).read_bytes() == before
