@@ -401,6 +401,9 @@ def test_multislice_v5p_manifest_carries_the_matching_mesh(monkeypatch):
     from trainer.distributed import mesh_shape
 
     monkeypatch.setenv("SLIPWAY_TRAINER_IMAGE", "us-docker.pkg.dev/proj/slipway/trainer:1")
+    # The platform's training namespace, pre-filled into the form's gke object: a gke run
+    # without one is refused (validate, and the launch's policy check).
+    monkeypatch.setenv("SLIPWAY_TRAINING_NAMESPACE", "slipway-training")
 
     params = _run_form(
         model_preset="8b",
