@@ -210,6 +210,7 @@ def find_registration(root: str, key: Mapping[str, str]) -> tuple[str, dict[str,
         if not str(name).endswith(".json"):
             continue
         body = json.loads(fs.cat_file(name))
+        # The run must be the same; a field the registration does not record matches
         if body.get("train_step") == key["train_step"] and all(
             body.get(k, v) == v for k, v in key.items()
         ):

