@@ -145,6 +145,11 @@ class BeamStageOperator(StepLineageMixin, BaseOperator):
         if hook is not None:
             hook.kill()
 
+    def on_lease_lost(self) -> None:
+        # The launcher and its Dataflow job are this attempt's alone (the job's name carries
+        # the try): a new owner launches its own. A stage in this process runs on.
+        self.on_kill()
+
     def _dataflow_job(
         self,
         identity: RunIdentity,

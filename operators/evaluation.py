@@ -21,6 +21,7 @@ from operators.launching import (
     TRAINER_CONFIG,
     JobSetRunner,
     TrainingFailed,
+    one_slice_runner,
     run_on_one_slice,
     write_json,
 )
@@ -107,8 +108,9 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
             args += ["--tasks", ",".join(tasks), "--task-data", spec.unversioned["task_data"]]
             args += ["--limit", str(c.get("task_limit") or 0)]
             args += ["--details", join(out, "benchmarks")]
-        self._jobset, status = run_on_one_slice(
-            self, spec, params, kind="eval", module="trainer.evaluate", args=args
+        self._jobset = one_slice_runner(self, spec, params)
+        status = run_on_one_slice(
+            self._jobset, spec, params, kind="eval", module="trainer.evaluate", args=args
         )
         body = _read_json(eval_json)
         if not status.succeeded or body is None:
@@ -171,3 +173,7 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
     def on_kill(self) -> None:
         if self._jobset is not None:
             self._jobset.cancel()
+
+    def on_lease_lost(self) -> None:
+        if self._jobset is not None:
+            self._jobset.cancel_if_local()

@@ -20,6 +20,7 @@ from operators.launching import (
     TRAINER_CONFIG,
     JobSetRunner,
     TrainingFailed,
+    one_slice_runner,
     run_on_one_slice,
 )
 from operators.step_lineage import (
@@ -93,8 +94,9 @@ class ExportOperator(StepLineageMixin, BaseOperator):
         hf_dir = join(spec.output_path, HF_DIR)
         args = ["--config", join(train_out, TRAINER_CONFIG), "--step", str(ckpt[0])]
         args += ["--tokenizer", spec.config["tokenizer"], "--out", hf_dir]
-        self._jobset, status = run_on_one_slice(
-            self, spec, params, kind="export", module="trainer.export", args=args
+        self._jobset = one_slice_runner(self, spec, params)
+        status = run_on_one_slice(
+            self._jobset, spec, params, kind="export", module="trainer.export", args=args
         )
         provenance = _read_json(join(hf_dir, "slipway_export.json"))
         if not status.succeeded or provenance is None:
@@ -123,3 +125,7 @@ class ExportOperator(StepLineageMixin, BaseOperator):
     def on_kill(self) -> None:
         if self._jobset is not None:
             self._jobset.cancel()
+
+    def on_lease_lost(self) -> None:
+        if self._jobset is not None:
+            self._jobset.cancel_if_local()

@@ -90,6 +90,13 @@ class JobSetRunner:
             status = self.hook.cancel(handle)
             self.operator.log.info("JobSet %s cancelled: %s", handle.name, status.reason)
 
+    def cancel_if_local(self) -> None:
+        """Cancel the JobSet only where it is this process's alone: a local run's pods. A
+        GKE JobSet is found again by its name and step labels and adopted by whoever runs the
+        step next (:func:`gke_launch_options`), so it is theirs to keep or end."""
+        if self.hook.backend == "local":
+            self.cancel()
+
 
 def trainer_launch(
     spec_name: str, params: Mapping[str, Any], *, slices: int | None = None, **kwargs: Any
@@ -142,20 +149,32 @@ def gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, A
     return options
 
 
+def one_slice_runner(
+    operator: BaseOperator, spec: StepSpec, params: Mapping[str, Any]
+) -> JobSetRunner:
+    """The runner of an evaluation's or export's JobSet (:func:`run_on_one_slice`). The
+    operator keeps it before the run starts, so that ``on_kill`` and a lost lease can stop
+    what it runs."""
+    if is_gke(spec):
+        from operators.pipeline.form import gke_cluster
+
+        return JobSetRunner(operator, "gke", gke_cluster(params))
+    return JobSetRunner(operator, spec.unversioned.get("backend", "local"))
+
+
 def run_on_one_slice(
-    operator: BaseOperator,
+    runner: JobSetRunner,
     spec: StepSpec,
     params: Mapping[str, Any],
     *,
     kind: str,
     module: str,
     args: list[str],
-) -> tuple[JobSetRunner, Any]:
+) -> Any:
     """``python -m <module> <args>`` as a JobSet on one slice of the run's topology, local or
-    GKE, to its end: (the runner, kept for ``on_kill``, and its final status). What
-    evaluation and export launch: with the replica axis across slices each slice holds the
-    whole model, and neither needs more than one. Minutes long: polled from the worker, 10 s
-    apart on GKE, without deferral."""
+    GKE, to its end: its final status. What evaluation and export launch: with the replica
+    axis across slices each slice holds the whole model, and neither needs more than one.
+    Minutes long: polled from the worker, 10 s apart on GKE, without deferral."""
     gke = is_gke(spec)
     launch = trainer_launch(
         jobset_name(kind, spec),
@@ -167,12 +186,8 @@ def run_on_one_slice(
         **(gke_launch_options(spec, params) if gke else {}),
     )
     if gke:
-        from operators.pipeline.form import gke_cluster
-
-        runner = JobSetRunner(operator, "gke", gke_cluster(params))
-        return runner, runner.run(launch.render(), poll_seconds=10.0)
-    runner = JobSetRunner(operator, spec.unversioned.get("backend", "local"))
-    return runner, runner.run(launch.render())
+        return runner.run(launch.render(), poll_seconds=10.0)
+    return runner.run(launch.render())
 
 
 def write_json(path: str, body: Any) -> None:

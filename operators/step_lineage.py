@@ -270,7 +270,7 @@ class StepLineageMixin:
         try:
             execution = self.start_step_execution(store, context, step, spec, inputs, root)
             try:
-                result = runner.run(step, fn)
+                result = runner.run(step, fn, on_lost=self.on_lease_lost)
             except BaseException as exc:
                 self.fail_step_execution(store, execution, exc, lambda: failure_properties(spec))
                 raise
@@ -281,6 +281,13 @@ class StepLineageMixin:
             return result
         finally:
             store.close()
+
+    def on_lease_lost(self) -> None:
+        """Stop this task's work on a step whose lease another runner took over while
+        :meth:`run_step` ran it (this process stalled for longer than the lease). Called from
+        the step's heartbeat thread; it should stop only what this process runs alone, never
+        what the new owner may have adopted. By default nothing: work in this process runs
+        on, and the step still ends in ``LeaseLost``, never SUCCESS from this runner."""
 
     # -- the lineage record of one step attempt (run_step, and the deferred training path) -----
 

@@ -659,6 +659,11 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             "resumable": ckpt is not None,
         }
 
+    def on_lease_lost(self) -> None:
+        # A local run's pods only: a gke run is deferred, its lease renewed by the trigger.
+        if self._jobset is not None:
+            self._jobset.cancel_if_local()
+
     def on_kill(self) -> None:
         # Killed while running on a worker (local run, or a gke task submitting / completing);
         # a task killed while *deferred* is the trigger's on_kill.

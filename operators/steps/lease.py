@@ -334,10 +334,17 @@ class HeldLease:
 
 class _Heartbeat:
     """Calls ``renew`` every ``interval`` seconds until stopped or until it returns False
-    (the lease was taken over: ``lost``)."""
+    (the lease was taken over: ``lost``), and then ``on_lost``: a runner taken over (its
+    process stalled past its lease, and another took the step) must stop writing into the
+    output that the new owner now writes."""
 
-    def __init__(self, interval: float, renew: Callable[[], bool]) -> None:
-        self.interval, self.renew = interval, renew
+    def __init__(
+        self,
+        interval: float,
+        renew: Callable[[], bool],
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        self.interval, self.renew, self.on_lost = interval, renew, on_lost
         self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="step-heartbeat", daemon=True)
@@ -354,10 +361,19 @@ class _Heartbeat:
             try:
                 if not self.renew():
                     self.lost = True
-                    log.error("heartbeat: lease taken over by another runner")
+                    log.error("heartbeat: lease taken over by another runner; stopping the work")
+                    self._stop_work()
                     return
             except Exception:  # a transient storage error must not kill the heartbeat
                 log.exception("heartbeat: could not renew the lease; retrying")
+
+    def _stop_work(self) -> None:
+        if self.on_lost is None:
+            return
+        try:
+            self.on_lost()
+        except Exception:  # the step still ends in LeaseLost: never SUCCESS from this runner
+            log.exception("heartbeat: could not stop the work after losing the lease")
 
 
 def jsonable(value: Any) -> Any:

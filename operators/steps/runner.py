@@ -83,9 +83,24 @@ class StepRunner:
         self.wait_timeout = wait_timeout
         self.store = store or store_for(root)
 
-    def run(self, step: Step, fn: Callable[[StepSpec], Any]) -> StepResult:
+    def run(
+        self,
+        step: Step,
+        fn: Callable[[StepSpec], Any],
+        *,
+        on_lost: Callable[[], None] | None = None,
+    ) -> StepResult:
+        """Run ``fn`` under the step's lease (or skip, wait or take over, see the class).
+
+        ``on_lost`` stops ``fn``'s work when another runner takes the lease over while it
+        runs (this process stalled for longer than the lease): called from the heartbeat's
+        thread, it should stop only what this process runs alone (its own subprocesses),
+        never shared work the new owner may have adopted. ``fn`` then ends in
+        :class:`LeaseLost`, whatever it raised.
+        """
+
         def execute(spec: StepSpec, lease: HeldLease) -> StatusRecord:
-            return self._execute(spec, lease, fn)
+            return self._execute(spec, lease, fn, on_lost)
 
         # This process's heartbeat renews the lease: readers may tell when it is gone.
         return self._run(step, execute, holder=this_process())
@@ -172,20 +187,27 @@ class StepRunner:
         )
 
     def _execute(
-        self, spec: StepSpec, lease: HeldLease, fn: Callable[[StepSpec], Any]
+        self,
+        spec: StepSpec,
+        lease: HeldLease,
+        fn: Callable[[StepSpec], Any],
+        on_lost: Callable[[], None] | None,
     ) -> StatusRecord:
         lease.renew()  # the RUNNING marker, before the work starts
-        heartbeat = _Heartbeat(self.heartbeat_seconds, lease.renew)
+        heartbeat = _Heartbeat(self.heartbeat_seconds, lease.renew, on_lost)
         heartbeat.start()
+        lost = LeaseLost(f"{lease.step}: lease generation {lease.generation} was taken over")
         try:
             value = fn(spec)
         except BaseException as exc:
             heartbeat.stop()
             lease.fail(exc)  # FAILED with the traceback tail, if the lease is still ours
+            if heartbeat.lost and isinstance(exc, Exception):
+                raise lost from exc  # the work failed because on_lost stopped it
             raise
         heartbeat.stop()
         if heartbeat.lost:
-            raise LeaseLost(f"{lease.step}: lease generation {lease.generation} was taken over")
+            raise lost
         return lease.succeed(value)
 
     def _hold(

@@ -53,7 +53,13 @@ class SubmittingStepRunner(StepRunner):
         super().__init__(root, **kwargs)
         self.lease: DeferredLease | None = None
 
-    def run(self, step: Step, fn: Callable[[StepSpec], Any]) -> StepResult:
+    def run(
+        self,
+        step: Step,
+        fn: Callable[[StepSpec], Any],
+        *,
+        on_lost: Callable[[], None] | None = None,  # no heartbeat here: the trigger renews
+    ) -> StepResult:
         def submit(spec: StepSpec, lease: HeldLease) -> Any:
             self.lease = lease
             return fn(spec)

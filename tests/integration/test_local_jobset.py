@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
 import threading
 import time
@@ -433,3 +434,47 @@ def test_pods_get_sigterm_when_the_process_running_them_is_killed(fake, tmp_path
         with contextlib.suppress(psutil.NoSuchProcess):
             for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
                 p.kill()
+
+
+def test_a_lost_step_lease_cancels_a_local_jobset_and_leaves_a_gke_one(fake, tmp_path):
+    # An evaluation's JobSet on the local backend, run under its step's lease; another runner
+    # takes the step over (this process stalled past the lease): the heartbeat cancels the
+    # pods, which are this process's alone, and the step ends in LeaseLost.
+    from types import SimpleNamespace
+
+    from operators.launching import JobSetRunner
+    from operators.steps import HeldLease, LeaseLost, Step, StepRunner
+
+    operator = SimpleNamespace(log=logging.getLogger("test-lease-lost"))
+    jobset = JobSetRunner(operator, "local")
+    step = Step("evaluate", {"store": "heldout"})
+    pidfile = out(fake) / "0-0.pids"
+
+    def evaluate(spec):
+        def take_over() -> None:
+            deadline = time.monotonic() + 20
+            while not (pidfile.exists() and pidfile.read_text().strip()):
+                assert time.monotonic() < deadline, "pod did not start"
+                time.sleep(0.05)
+            other = HeldLease(spec.output_path, step.name, spec.version, "other", 1, 0.0, 30.0)
+            assert other.acquire()
+
+        threading.Thread(target=take_over, daemon=True).start()
+        return jobset.run(launch(fake, "hang"), poll_seconds=0.05)
+
+    started = time.monotonic()
+    runner = StepRunner(str(tmp_path / "steps"), owner="stalled", lease_seconds=0.9)
+    with pytest.raises(LeaseLost):
+        runner.run(step, evaluate, on_lost=jobset.cancel_if_local)
+    assert time.monotonic() - started < 30  # not the pod's 120 s
+    pids = [int(x) for x in pidfile.read_text().split()]
+    assert _still_alive(pids) == []
+    assert (out(fake) / "0-0.term").exists()  # SIGTERM, as a cancel gives it
+
+    # A GKE JobSet is found again by name and adopted by the step's next owner: left alone.
+    gke = JobSetRunner(operator, "gke", {"cluster_name": "c", "location": "l"})
+    gke.handle = SimpleNamespace(name="eval-x")
+    cancels: list[Any] = []
+    gke.hook.cancel = cancels.append  # type: ignore[method-assign]
+    gke.cancel_if_local()
+    assert cancels == []

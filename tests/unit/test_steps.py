@@ -381,6 +381,39 @@ def test_a_taken_over_runner_does_not_mark_success(tmp_path):
     assert _marker(tmp_path, step)["status"] == "RUNNING"  # never SUCCESS from the zombie
 
 
+@pytest.mark.parametrize("stop_fails", [False, True])
+def test_a_taken_over_runner_stops_its_work(tmp_path, stop_fails):
+    # The runner's process stalled past its lease and another took the step over: the next
+    # heartbeat stops the work (on_lost), and the step ends in LeaseLost, not in whatever the
+    # stopped work raised, and not in a marker over the new owner's.
+    step = Step("stalled", {})
+    runner = StepRunner(str(tmp_path), owner="zombie", lease_seconds=0.6)
+    stopped = threading.Event()
+    stops: list[float] = []
+
+    def on_lost() -> None:
+        stops.append(time.monotonic())
+        if stop_fails:
+            raise OSError("could not signal the pod")
+        stopped.set()
+
+    def work(spec: StepSpec):
+        _write_lease(tmp_path, step, Lease(1, "other", time.time() + 30))
+        deadline = time.monotonic() + 10
+        while not stops and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if stopped.is_set():
+            raise RuntimeError("killed by on_lost")
+        return "ran to its end"
+
+    with pytest.raises(steps.LeaseLost) as lost:
+        runner.run(step, work, on_lost=on_lost)
+    assert len(stops) == 1
+    # stopped: the work's error is the cause; not stopped: it ran on, and still lost
+    assert isinstance(lost.value.__cause__, RuntimeError) is not stop_fails
+    assert _marker(tmp_path, step)["status"] == "RUNNING"  # the zombie wrote no ending
+
+
 def test_a_lease_names_the_process_whose_heartbeat_renews_it(tmp_path):
     """A step run in-process names this process (boot id, pid namespace, pid) in its lease,
     so a reader can tell when nobody will renew it again; a held lease, which a trigger renews
