@@ -403,6 +403,7 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
     step = run.start_step
     last_loss: float | None = None
     pending: tuple[int, dict] | None = None  # a step's metrics, read once the next one runs
+    saved = -1  # the step last checkpointed by the loop
     t_last = loop_start = time.perf_counter()
     status = "succeeded"
 
@@ -433,12 +434,18 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
             perm = cfg.checkpoint.permanent_every and step % cfg.checkpoint.permanent_every == 0
             if step < cfg.steps and (save_now or perm):
                 run.checkpointer.save(step, state, permanent=bool(perm))
+                saved = step
             if step < cfg.steps and preemption.agreed():
                 status = "preempted"
                 break
         if pending is not None:
             last_loss = flush(pending)
-        if step > run.start_step or ckpt.latest_step(run.checkpointer.root) != step:
+        # Pre-empted right after a save: that checkpoint is this step's. Saving it again would
+        # uncommit it while it is rewritten (the grace period may end mid-write) and could
+        # turn a permanent checkpoint into a temporary one that a later save prunes.
+        if step != saved and (
+            step > run.start_step or ckpt.latest_step(run.checkpointer.root) != step
+        ):
             run.checkpointer.save(step, state, permanent=status == "succeeded")
         run.checkpointer.wait()
     finally:

@@ -174,3 +174,52 @@ def test_sigterm_saves_and_exits_with_restart_code(store, reference, tmp_path):
     assert _run(store, out) == 0
     _assert_resumed(out, logged, result["steps"])
     _assert_identical(reference, out)
+
+
+def test_preempted_right_after_a_permanent_save_keeps_it_permanent(store, tmp_path, monkeypatch):
+    # SIGTERM agreed at step 20, which the loop has just saved as permanent: that checkpoint is
+    # the pre-empted run's last one. Saving step 20 again (as temporary) would uncommit it while
+    # rewriting it, and a later save would prune it.
+    from trainer import checkpoint, train
+    from trainer.config import load_config
+
+    writes: list[tuple[int, bool]] = []
+    write = checkpoint.Checkpointer._write
+
+    def spy(self, step, leaves, permanent, meta):
+        writes.append((step, permanent))
+        return write(self, step, leaves, permanent, meta)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "_write", spy)
+
+    class AtStep20(train.Preemption):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked = 0
+
+        def agreed(self) -> bool:
+            self.asked += 1  # once per step that is not the last
+            return self.asked == 20
+
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"data.sources=[{{path: {store}}}]",
+            "model.preset=nano",
+            f"steps={STEPS}",
+            "batch_size=4",
+            "seq_len=32",
+            "optimizer.warmup_steps=4",
+            "checkpoint.save_every=5",
+            "checkpoint.permanent_every=20",
+        ],
+    )
+    result = train.train(cfg, preemption=AtStep20())
+    assert result["status"] == "preempted" and result["steps"] == 20
+    assert [w for w in writes if w[0] == 20] == [(20, True)]  # saved once, permanent
+    writes.clear()
+    result = train.train(cfg, preemption=train.Preemption())
+    assert result["status"] == "succeeded" and result["start_step"] == 20
+    committed = dict(checkpoint.committed_steps(str(tmp_path / "run" / "checkpoints")))
+    assert committed[20]["permanent"] is True and committed[STEPS]["permanent"] is True
