@@ -38,7 +38,7 @@ import numpy as np
 import tensorstore as ts
 
 from tokenstore.store import _kvstore  # the one place that maps paths to TensorStore kvstores
-from trainer.rundir import COMMIT, committed_steps, step_dir
+from trainer.rundir import COMMIT, STEP_DIR_RE, committed_steps, step_dir
 
 MAX_CHUNK_BYTES = 64 << 20
 
@@ -190,6 +190,24 @@ class Checkpointer:
             self._pending = self._pool.submit(self._write, *job)
         else:
             self._write(*job)
+
+    def discard_unfinished(self) -> list[int]:
+        """Delete the folders of saves that never committed (a kill mid-save), before this run
+        saves anything: re-saving into one would reopen its arrays, which fails when the mesh
+        or the chunking changed since, and its old ``process-*.done`` markers would let
+        process 0 commit before the other processes rewrote their shards. Process 0 calls it
+        before every process passes a barrier. Returns the steps deleted."""
+        fs, base = _fs(self.root)
+        if not fs.exists(base):
+            return []
+        committed = {s for s, _ in committed_steps(self.root)}
+        gone = []
+        for entry in fs.ls(base, detail=False):
+            match = STEP_DIR_RE.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
+            if match and int(match.group(1)) not in committed:
+                fs.rm(entry.rstrip("/"), recursive=True)
+                gone.append(int(match.group(1)))
+        return sorted(gone)
 
     def wait(self) -> None:
         if self._pending is not None:

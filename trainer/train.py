@@ -229,6 +229,14 @@ def setup(cfg: TrainConfig) -> Run:
         async_save=cfg.checkpoint.async_save,
         write_threads=checkpoint_write_threads(cfg.checkpoint.write_threads),
     )
+    if jax.process_index() == 0:
+        gone = checkpointer.discard_unfinished()
+        if gone:
+            print(f"deleted unfinished checkpoint saves (no commit.json): steps {gone}", flush=True)
+    if jax.process_count() > 1:  # nobody saves or reads before they are gone
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("slipway: unfinished checkpoints deleted")
     start = 0
     if cfg.checkpoint.resume:
         latest = ckpt.latest_step(checkpointer.root)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,7 +177,9 @@ def test_sigterm_saves_and_exits_with_restart_code(store, reference, tmp_path):
     _assert_identical(reference, out)
 
 
-def test_preempted_right_after_a_permanent_save_keeps_it_permanent(store, tmp_path, monkeypatch):
+def test_preempted_after_a_permanent_save_keeps_it_and_a_resume_clears_unfinished_saves(
+    store, tmp_path, monkeypatch
+):
     # SIGTERM agreed at step 20, which the loop has just saved as permanent: that checkpoint is
     # the pre-empted run's last one. Saving step 20 again (as temporary) would uncommit it while
     # rewriting it, and a later save would prune it.
@@ -218,8 +221,20 @@ def test_preempted_right_after_a_permanent_save_keeps_it_permanent(store, tmp_pa
     result = train.train(cfg, preemption=AtStep20())
     assert result["status"] == "preempted" and result["steps"] == 20
     assert [w for w in writes if w[0] == 20] == [(20, True)]  # saved once, permanent
+    # A save of step 25 that a kill left unfinished (no commit.json), by a run whose arrays
+    # were chunked differently (another mesh): the resumed run must not reopen it.
+    checkpoints = tmp_path / "run" / "checkpoints"
+    stale = checkpoints / "step-000000025"
+    shutil.copytree(checkpoints / "step-000000020", stale)
+    (stale / "commit.json").unlink()
+    meta_file = next(stale.glob("arrays/*/zarr.json"))
+    meta = json.loads(meta_file.read_text())
+    grid = meta["chunk_grid"]["configuration"]
+    grid["chunk_shape"] = [1] * len(grid["chunk_shape"])
+    meta_file.write_text(json.dumps(meta))
     writes.clear()
     result = train.train(cfg, preemption=train.Preemption())
     assert result["status"] == "succeeded" and result["start_step"] == 20
+    assert (25, False) in writes  # saved (and pruned by later saves), not refused
     committed = dict(checkpoint.committed_steps(str(tmp_path / "run" / "checkpoints")))
     assert committed[20]["permanent"] is True and committed[STEPS]["permanent"] is True
