@@ -32,7 +32,7 @@ from operators.step_lineage import (
     tokenizer_input,
     trained_model_input,
 )
-from operators.steps import Step, StepResult, StepSpec, join, output_path
+from operators.steps import Step, StepResult, StepSpec, join, output_path, without_non_finite
 from trainer.rundir import last_checkpoint
 from trainer.rundir import read_json as _read_json
 
@@ -124,9 +124,13 @@ class EvaluationOperator(StepLineageMixin, BaseOperator):
             r = by_path.get(path.rstrip("/")) or by_path.get(os.path.abspath(path))
             if r is None:
                 raise TrainingFailed(f"evaluation has no result for {name} ({path})")
-            results[name] = {k: r.get(k) for k in ("tokens", "loss", "perplexity", "bits_per_byte")}
+            # A diverged model's NaN or infinite loss is kept as null (JSON has no NaN): the
+            # gate refuses a model with a metric that is not finite.
+            results[name] = without_non_finite(
+                {k: r.get(k) for k in ("tokens", "loss", "perplexity", "bits_per_byte")}
+            )
             write_json(join(out, "results", f"{name}.json"), {"store": path, **results[name]})
-        benchmarks = dict(body.get("benchmarks") or {})
+        benchmarks = without_non_finite(dict(body.get("benchmarks") or {}))
         missing = [t for t in tasks if t not in benchmarks]
         if missing:
             raise TrainingFailed(f"evaluation has no result for the task(s) {missing}")

@@ -69,7 +69,13 @@ class GateOperator(StepLineageMixin, BaseOperator):
                 f"no evaluation to judge: no {self.evaluate_task_id} result in XCom and its "
                 f"step {state.path} is not SUCCESS"
             )
-        return {"output": state.path, **dict(state.status.result or {})}
+        result = dict(state.status.result or {})
+        if "results" not in result:
+            raise GateFailed(
+                f"no evaluation to judge: the {self.evaluate_task_id} step {state.path} kept no "
+                "results in its SUCCESS marker"
+            )
+        return {"output": state.path, **result}
 
     def export_folder(self, context: Mapping[str, Any]) -> str | None:
         """The Hugging Face folder the ``export`` task wrote (its XCom), None without one."""

@@ -381,6 +381,19 @@ def decide(criteria: Criteria, metrics: Metrics, baseline: Promotion | None = No
     """Check every criterion the form sets against the evaluation's ``metrics`` and, for the
     regression margin, the currently promoted model of the same name (``baseline``)."""
     checks: list[Check] = []
+    if metrics.missing:
+        # Whatever the criteria: a NaN or infinite held-out loss is a diverged model, and a
+        # metric without a value cannot be compared with the model it would replace.
+        checks.append(
+            Check(
+                "evaluated metrics without a finite value",
+                "<=",
+                0,
+                len(metrics.missing),
+                False,
+                f"{', '.join(metrics.missing)} (a diverged model?)",
+            )
+        )
     if criteria.max_bits_per_byte is not None:
         checks.append(_bits_per_byte_check(float(criteria.max_bits_per_byte), metrics))
     for task, minimum in sorted(criteria.min_accuracy.items()):

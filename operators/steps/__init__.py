@@ -36,6 +36,7 @@ from operators.steps.lease import (
     probe,
     read_status,
     this_process,
+    without_non_finite,
 )
 from operators.steps.plan import Action, PlanEntry, decide, format_plan, plan
 from operators.steps.runner import Outcome, StepResult, StepRunner, default_owner
@@ -95,4 +96,5 @@ __all__ = [
     "store_for",
     "this_process",
     "topological",
+    "without_non_finite",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -376,10 +377,28 @@ class _Heartbeat:
             log.exception("heartbeat: could not stop the work after losing the lease")
 
 
-def jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        log.warning("step result %r is not JSON: not kept in the marker", type(value).__name__)
-        return None
+def without_non_finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float, in dicts, lists and tuples at any depth,
+    replaced by None: JSON has no such numbers (a diverged model's loss is one)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: without_non_finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_non_finite(v) for v in value]
     return value
+
+
+def jsonable(value: Any) -> Any:
+    """The step result as its marker keeps it: non-finite numbers become None (the rest of
+    the result is kept); a result that is still not JSON is not kept at all."""
+    for candidate in (value, without_non_finite(value)):
+        try:
+            json.dumps(candidate, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        if candidate is not value:
+            log.warning("step result has NaN or infinite numbers: kept as null")
+        return candidate
+    log.warning("step result %r is not JSON: not kept in the marker", type(value).__name__)
+    return None

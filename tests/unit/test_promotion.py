@@ -130,12 +130,28 @@ def test_max_bits_per_byte_is_the_held_out_mean(limit, passed, outcome):
 
 
 def test_a_held_out_store_without_bits_per_byte_fails_the_limit():
-    (check,) = decide(Criteria(max_bits_per_byte=9.0), metrics(fortunes=None)).checks
+    finite, check = decide(Criteria(max_bits_per_byte=9.0), metrics(fortunes=None)).checks
     assert not check.passed and check.value is None
     assert check.outcome() == "FAIL: no bits/byte for heldout-fortunes"
+    assert not finite.passed and "heldout-fortunes" in finite.outcome()
     bare = Metrics.from_evaluation({"results": {"eval-lambada": {"bits_per_byte": 1.0}}})
     (check,) = decide(Criteria(max_bits_per_byte=9.0), bare).checks
     assert check.outcome() == "FAIL: no result for a held-out store (heldout-*)"
+
+
+@pytest.mark.parametrize(
+    "criteria",
+    [Criteria(), Criteria(max_regression=0.05), Criteria(min_accuracy={"piqa": 0.5})],
+    ids=["no criterion", "regression only", "accuracy only"],
+)
+def test_a_metric_without_a_finite_value_is_never_promoted(criteria):
+    # A diverged model: NaN bits/byte on one held-out store. No criterion on held-out stores
+    # (the form's default sets none) must still not promote it.
+    decision = decide(criteria, metrics(brown=float("nan"), benchmarks={"piqa": 0.9}))
+    assert not decision.passed
+    first = decision.checks[0]
+    assert first.criterion == "evaluated metrics without a finite value"
+    assert first.outcome() == "FAIL by 1.0000: heldout-brown (a diverged model?)"
 
 
 def test_min_accuracy_per_task_and_a_missing_result_fails():
@@ -372,6 +388,26 @@ def test_a_failed_gate_is_recorded_and_the_run_summary_says_why(home, params):
         "gate: FAILED, slipway-demo not promoted (failed 2 of 2 criteria: held-out bits/byte, "
         "mean of 2 stores, piqa acc)"
     )
+
+
+def test_a_diverged_evaluation_kept_in_its_marker_fails_the_gate(home, params):
+    # The gate's fallback when the evaluate XCom is gone: the step's SUCCESS marker. A NaN
+    # there once dropped the whole result, and the gate promoted a model with no metrics.
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from operators.gate import GateOperator
+    from operators.steps import StepRunner
+
+    context = _context(params, "run-nan", None)
+    gate = GateOperator()
+    step = gate.step_graph(context).evaluate
+    body = evaluation(brown=float("inf"))
+    body["results"]["heldout-fortunes"]["loss"] = float("nan")
+    StepRunner(gate.steps_root()).run(step, lambda spec: body)
+    with pytest.raises(AirflowFailException, match="evaluated metrics without a finite value"):
+        gate.execute(context)
+    with _lineage(home) as store:
+        assert current_promotion(store, "slipway-demo") is None
 
 
 def test_a_gate_with_nothing_to_judge_fails_recorded(home, params):

@@ -149,6 +149,17 @@ def test_success_is_cached_with_its_result(tmp_path):
     assert marker["status"] == "SUCCESS" and marker["version"] == step.version
 
 
+def test_a_result_with_nan_is_kept_with_null_in_its_place(tmp_path):
+    # A diverged evaluation's NaN loss once dropped the whole result from the marker.
+    step = Step("evaluate", {})
+    result = {"results": {"heldout": {"loss": float("nan"), "tokens": 512}}, "step": (6,)}
+    StepRunner(str(tmp_path)).run(step, lambda spec: result)
+    assert _marker(tmp_path, step)["result"] == {
+        "results": {"heldout": {"loss": None, "tokens": 512}},
+        "step": [6],
+    }
+
+
 def test_failed_step_records_error_and_reruns(tmp_path):
     step = Step("quality", {"n": 1})
 
