@@ -77,7 +77,10 @@ def cell_outcome(
         return out
     out["metric"] = cell_metric(evaluated.result or {}, stores, metric)
     if out["metric"] is None:
-        out["reason"] = f"evaluation has no {metric} for every store of {list(stores)}"
+        # The evaluation keeps a NaN or infinite value as null: most likely a diverged run.
+        out["reason"] = (
+            f"evaluation has no finite {metric} for every store of {list(stores)} (diverged?)"
+        )
     elif not math.isfinite(out["metric"]):
         out["reason"] = f"{metric} is {out['metric']}: the run diverged"
     return out
