@@ -94,6 +94,20 @@ def launch_mesh(
     return {"replica": shape.slices, **inner}
 
 
+def resolved(mesh: Mapping[str, int], chips_per_slice: int) -> dict[str, int]:
+    """A :func:`launch_mesh` mesh with its ``-1`` axis as the rest of the slice's chips."""
+    fixed = math.prod(v for k, v in mesh.items() if k != "replica" and v != -1)
+    return {k: chips_per_slice // fixed if v == -1 else v for k, v in mesh.items()}
+
+
+def data_parallel_size(mesh: Mapping[str, int]) -> int:
+    """How many ways a :func:`resolved` mesh splits the batch: the product of its batch axes
+    (``trainer.mesh_axes.BATCH_AXES``). The trainer refuses a batch this does not divide."""
+    from trainer.mesh_axes import BATCH_AXES
+
+    return math.prod(mesh[axis] for axis in BATCH_AXES)
+
+
 def mesh_args(mesh: Mapping[str, int]) -> tuple[str, ...]:
     """The trainer arguments that set the mesh (``trainer.config`` ``--set`` overrides)."""
     return tuple(arg for axis in AXES for arg in ("--set", f"mesh.{axis}={mesh[axis]}"))

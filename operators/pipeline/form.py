@@ -593,7 +593,7 @@ def check_run_config(
     """
     # Lazy: parse-time imports stay at Param; the stage configs import their stage modules.
     from operators.jobset import ManifestError, TrainingLaunch
-    from operators.jobset.mesh import MeshError, launch_mesh
+    from operators.jobset.mesh import MeshError, data_parallel_size, launch_mesh, resolved
     from operators.pipeline.graph import graph_supplied_problems, sources_of
     from operators.policy import RunPolicy
     from operators.settings import DataDirNotAllowed, data_dir
@@ -650,9 +650,18 @@ def check_run_config(
         problems.append(f"accelerator/topology/slices: {exc}")
     else:
         try:
-            launch_mesh(launch.shape, params["model_preset"], params.get("mesh") or {})
+            mesh = launch_mesh(launch.shape, params["model_preset"], params.get("mesh") or {})
         except MeshError as exc:
             problems.append(str(exc))
+        else:
+            # The trainer's own rule, checked here: there it would fail after the data plane.
+            mesh = resolved(mesh, launch.shape.chips_per_slice)
+            if params["batch_size"] % (dp := data_parallel_size(mesh)):
+                problems.append(
+                    f"batch_size: {params['batch_size']} is not divisible by the data-parallel "
+                    f"size {dp} (replica x data x fsdp of the mesh {mesh} on "
+                    f"{params['slices']} x {params['topology']} {params['accelerator']})"
+                )
     if params["backend"] == "gke":
         gke = params.get("gke") or {}
         # Service account and queue go into the manifest: the renderer's own checks.

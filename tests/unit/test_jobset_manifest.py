@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -504,3 +505,36 @@ def test_run_form_mesh_override_is_checked_before_the_run():
     check_run_config(_run_form(accelerator="cpu", topology="2", mesh={"data": 2}))
     with pytest.raises(RunConfigError, match=r"mesh: .* does not lay out on the 2 chips"):
         check_run_config(_run_form(accelerator="cpu", topology="2", mesh={"data": 4}))
+
+
+@pytest.mark.parametrize(
+    ("form", "dp"),
+    [
+        ({"accelerator": "v5e", "topology": "2x2", "batch_size": 6}, 4),
+        # the default batch on two 16-chip slices: 32 ways, the replica axis included
+        ({"accelerator": "v5e", "topology": "4x4", "slices": 2, "batch_size": 16}, 32),
+        ({"accelerator": "v5e", "topology": "2x4", "batch_size": 6, "mesh": {"tensor": 2}}, 4),
+    ],
+)
+def test_a_batch_the_mesh_cannot_split_is_refused_before_the_run(form, dp):
+    # The trainer refuses it at its start, after the whole data plane: validate says it first.
+    from operators.jobset.mesh import data_parallel_size, launch_mesh, resolved
+    from operators.pipeline.form import RunConfigError, check_run_config
+
+    bad = _run_form(**form)
+    with pytest.raises(
+        RunConfigError,
+        match=rf"batch_size: {form['batch_size']} is not "
+        rf"divisible by the data-parallel size {dp} ",
+    ):
+        check_run_config(bad)
+    check_run_config({**bad, "batch_size": 2 * dp})
+    # the mesh it counted lays out on every chip of the launch, its -1 axis resolved
+    shape = launch(
+        accelerator=form["accelerator"], topology=form["topology"], slices=form.get("slices", 1)
+    ).shape
+    mesh = resolved(
+        launch_mesh(shape, bad["model_preset"], form.get("mesh")), shape.chips_per_slice
+    )
+    assert data_parallel_size(mesh) == dp
+    assert math.prod(mesh.values()) == shape.chips_per_slice * shape.slices
