@@ -200,7 +200,33 @@ def form_fields(environ: Mapping[str, str] | None = None) -> dict[str, dict[str,
     platform = platform_defaults(environ)
     fields = _form(platform)
     _check_platform_defaults(fields, platform)
+    batch = fields["batch_size"]
+    batch["default"] = _batch_the_mesh_splits(fields, batch["default"])
     return fields
+
+
+def _batch_the_mesh_splits(fields: Mapping[str, Mapping[str, Any]], batch: int) -> int:
+    """``batch`` rounded up to a multiple of the default mesh's data-parallel size on the
+    form's default slices: a platform's 2 x 4x4 v5e splits the batch 32 ways, and a default
+    of 16 would make every pre-filled form invalid. Unchanged where the shape is unknown
+    (validate names the field)."""
+    from operators.jobset import ManifestError, TrainingLaunch
+
+    try:
+        shape = TrainingLaunch(
+            name="check",
+            image=_CHECK_IMAGE,
+            config_uri="check.json",
+            accelerator=fields["accelerator"]["default"],
+            topology=fields["topology"]["default"],
+            slices=fields["slices"]["default"],
+        ).shape
+    except ManifestError:
+        return batch
+    # Without a mesh override every chip is on a batch axis (replica, then data or fsdp,
+    # whichever fills the slice; tensor 1), so no preset needs sizing here at parse time.
+    dp = shape.chips_per_slice * shape.slices
+    return -(-batch // dp) * dp
 
 
 def _form(platform: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

@@ -359,6 +359,7 @@ def test_platform_environment_prefills_the_form(monkeypatch):
     values = params.validate()
     assert (values["backend"], values["image"]) == ("gke", PLATFORM["SLIPWAY_TRAINER_IMAGE"])
     assert (values["accelerator"], values["topology"], values["slices"]) == ("v5e", "4x4", 2)
+    assert values["batch_size"] == 32  # 16, rounded up to what 2 x 16 chips split evenly
     assert values["gke"] == {
         "namespace": "slipway-training",
         "service_account": "slipway-trainer",
@@ -368,6 +369,7 @@ def test_platform_environment_prefills_the_form(monkeypatch):
     # Unset or empty variables leave the local defaults.
     local = ParamsDict(pipeline_params(environ={"SLIPWAY_TPU_SLICES": ""})).validate()
     assert (local["backend"], local["image"], local["gke"]) == ("local", DEV_IMAGE, {})
+    assert local["batch_size"] == 16
 
 
 @pytest.mark.parametrize(
