@@ -472,6 +472,10 @@ def form_values(conf: Mapping[str, Any]) -> dict[str, Any]:
     """The params a trigger with ``conf`` gives a run: the form's defaults overlaid by
     ``conf``, each value checked by its field's JSON schema as Airflow checks it, then the
     checks across fields (:func:`check_run_config`). Errors name the field."""
+    if not isinstance(conf, Mapping):
+        raise RunConfigError(
+            f"invalid run configuration: a JSON object of form fields, not {type(conf).__name__}"
+        )
     form = form_fields()
     unknown = unknown_fields(conf, form, "slipway_pipeline's form")
     if unknown:

@@ -576,6 +576,9 @@ def test_the_validate_task_refuses_before_any_data_and_records_it(dag, tmp_path,
             {"stage_configs": {"decontaminate": {"ngrams": 13}}},
             "stage_configs.decontaminate: unknown config field(s) for DecontaminateConfig: ngrams",
         ),
+        # not an object: once a traceback (null), or fields named s, t, e, p ("steps")
+        (None, "a JSON object of form fields, not NoneType"),
+        ("steps", "a JSON object of form fields, not str"),
     ],
 )
 def test_slipway_plan_refuses_naming_the_field(tmp_path, conf, named):
