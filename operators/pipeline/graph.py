@@ -196,10 +196,13 @@ def _exists(path: str) -> bool:
 
 
 def missing_corpora(params: Mapping[str, Any]) -> list[str]:
-    """The run's sources (and ``eval``, for the eval sets) not yet under its data folder."""
+    """The run's sources (and ``eval``, for the eval sets) not yet under its data folder.
+    ``eval`` is missing when any set the run reads is: LAMBADA, and the set of each of its
+    ``eval_tasks`` (a folder from an older fetch, or a partial copy, may have only some)."""
     data = data_dir(params.get("data_dir"))
     missing = [s.name for s in sources_of(params) if not _exists(raw_path(data, s.name))]
-    if any(not _exists(eval_path(data, e)) for e in EVAL_STORES):
+    sets = set(EVAL_STORES) | {TASKS[t].eval_set for t in params.get("eval_tasks") or ()}
+    if any(not _exists(eval_path(data, e)) for e in sorted(sets)):
         missing.append("eval")
     return missing
 

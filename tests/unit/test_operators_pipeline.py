@@ -725,3 +725,15 @@ def test_an_object_rewritten_after_fetch_has_a_new_stamp(monkeypatch):
     assert after is not None and after != before
     assert json.loads(json.dumps(after)) == after  # as graph.json keeps it
     assert graph._file_stamp("memory://corpora/raw/missing.jsonl.gz") is None
+
+
+def test_an_eval_set_a_benchmark_needs_makes_eval_missing(params, tmp_path):
+    # A data folder from an older fetch, or a partial copy, with LAMBADA but not the set of
+    # one of the form's benchmarks: fetch must fetch it, not leave evaluate to fail after
+    # training.
+    from operators.pipeline.graph import missing_corpora
+
+    assert missing_corpora(params) == []
+    (Path(params["data_dir"]) / "eval" / "piqa.jsonl.gz").unlink()
+    assert missing_corpora(params) == ["eval"]
+    assert missing_corpora({**params, "eval_tasks": ["lambada_openai"]}) == []
