@@ -15,6 +15,7 @@ replacing promotion's, another version's writer) unless the user may read it. Th
     /slipway/runs/<run_id>          one run: settings, steps, loss curve, evaluation,
                                     benchmarks, samples, the promotion decision (and whether a
                                     later one replaced it); a failed run's cause and resume plan
+                                    (?dag_id=: only that DAG's run, as Airflow's tabs ask)
     /slipway/runs/<run_id>/loss.png the loss curve (matplotlib, server-side; ETag, kept drawn)
     /slipway/runs/<run_id>/report.html  the run's static report, as the run wrote it
     /slipway/trace?uri=&version=    an artifact traced back to its raw inputs, as a graph; which
@@ -37,6 +38,7 @@ from urllib.parse import quote
 
 from airflow.api_fastapi.core_api.security import get_user
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from operators.lineage import LineageStore, NotFound, RunSummary
@@ -57,6 +59,15 @@ log = logging.getLogger(__name__)
 # run trains: always revalidated (its ETag makes that a cheap 304).
 PNG_HEADERS = {"Cache-Control": "private, max-age=60"}
 LOSS_PNG_HEADERS = {"Cache-Control": "private, no-cache"}
+# report.html is read from the storage root, which tasks write: served from the Airflow UI's
+# origin, a replaced file could run script there with the reader's session. The report needs
+# only its inline styles and data: images (operators/reports/static.py), so it gets nothing
+# else, and a sandbox (an opaque origin) besides.
+STATIC_REPORT_HEADERS = {
+    "Content-Security-Policy": "sandbox; default-src 'none'; img-src data:; "
+    "style-src 'unsafe-inline'",
+    "X-Content-Type-Options": "nosniff",
+}
 
 app = FastAPI(
     title="Slipway reports",
@@ -160,6 +171,17 @@ async def _login_or_error(request: Request, exc: HTTPException) -> Response:
         body = pages.error_page(exc.status_code, str(exc.detail or ""), _base(request))
         return HTMLResponse(body, status_code=exc.status_code)
     return Response(exc.detail or "", status_code=exc.status_code, media_type="text/plain")
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    """A bad query value (``?page=abc``) is an error like the others: a page for a browser,
+    the reason as text for anything else, never FastAPI's JSON."""
+    reasons = "; ".join(
+        f"{'.'.join(str(part) for part in error['loc'][1:]) or 'request'}: {error['msg']}"
+        for error in exc.errors()
+    )
+    return await _login_or_error(request, HTTPException(422, reasons))
 
 
 def _no_lineage(exc: Exception) -> HTMLResponse:
@@ -303,11 +325,20 @@ def runs(
 
 
 @app.get("/runs/{run_id}", response_class=HTMLResponse)
-def run(request: Request, run_id: str, readable: Access) -> Any:
+def run(
+    request: Request,
+    run_id: str,
+    readable: Access,
+    dag_id: str | None = Query(None, max_length=250),
+) -> Any:
+    """``dag_id``: the DAG whose run this is, as Airflow's tabs link it. Scheduled run ids are
+    the same in every DAG, so another DAG's run of the same id is not this one's (404)."""
     base = _base(request)
     loss_src = f"{base}/runs/{quote(run_id, safe='')}/loss.png"
     try:
         owners = store().run_owners(run_id)
+        if dag_id is not None and dag_id not in owners:
+            return _unrecorded_run(run_id, readable, base, dag_id)
         _require(readable, owners)
         live = dag_runs([run_id]) if owners else {}
         dag_run = next((live[o, run_id] for o in sorted(owners) if (o, run_id) in live), None)
@@ -320,22 +351,45 @@ def run(request: Request, run_id: str, readable: Access) -> Any:
             may_read_run=lambda other: _may_read_run(readable, other),
         )
     except NotFound as exc:
-        # Queued, or not yet at its first task: Airflow has the run, lineage does not yet.
-        pending = {dag: r for (dag, _), r in dag_runs([run_id]).items()}
-        shown = sorted(readable(set(pending)))
-        if shown:
-            dag, dag_run = shown[0], pending[shown[0]]
-            if dag_run.state != "QUEUED":  # started: nothing holds it back
-                return pages.pending_page(run_id, dag, dag_run, base)
-            running = sorted(
-                other
-                for (_, other), (r, _) in waiting_dag_runs([dag]).items()
-                if r.state == "RUNNING"
-            )
-            return pages.pending_page(
-                run_id, dag, dag_run, base, running=running, paused=dag_paused(dag)
-            )
-        raise HTTPException(404, str(exc.args[0])) from exc
+        return _unrecorded_run(run_id, readable, base, dag_id, str(exc.args[0]))
+
+
+def _records_lineage(dag_id: str) -> bool:
+    """Whether runs of ``dag_id`` record Slipway lineage: one of Slipway's DAGs, or a DAG
+    with a recorded run."""
+    if dag_id in pages.SLIPWAY_DAGS:
+        return True
+    try:
+        return any(r.pipeline == dag_id for r in store().runs())
+    except NotFound:
+        return False
+
+
+def _unrecorded_run(
+    run_id: str, readable: Readable, base: str, dag_id: str | None, why: str = ""
+) -> str:
+    """The page of a run lineage has nothing of (of ``dag_id``, where given): queued, or not
+    yet at its first task, while Airflow has it; else 404."""
+    records = dag_id is None or _records_lineage(dag_id)
+    pending = {
+        dag: r for (dag, _), r in dag_runs([run_id]).items() if records and dag_id in (None, dag)
+    }
+    shown = sorted(readable(set(pending)))
+    if shown:
+        dag, dag_run = shown[0], pending[shown[0]]
+        if dag_run.state != "QUEUED":  # started: nothing holds it back
+            return pages.pending_page(run_id, dag, dag_run, base)
+        running = sorted(
+            other for (_, other), (r, _) in waiting_dag_runs([dag]).items() if r.state == "RUNNING"
+        )
+        return pages.pending_page(
+            run_id, dag, dag_run, base, running=running, paused=dag_paused(dag)
+        )
+    if not records:
+        why = f"{dag_id} records no Slipway lineage: its runs have no Slipway report"
+    elif dag_id is not None:
+        why = f"no run {run_id!r} of {dag_id} recorded"
+    raise HTTPException(404, why)
 
 
 # The last loss plots drawn, by ETag: matplotlib takes ~80 ms a plot, and a run page is opened
@@ -394,14 +448,18 @@ def loss(request: Request, run_id: str, readable: Access) -> Response:
 def static_report(run_id: str, readable: Access) -> Any:
     import fsspec
 
-    _require_run_folder(readable, run_id)
+    try:
+        _require_run_folder(readable, run_id)
+    except NotFound as exc:  # no lineage database yet: no run has written a report
+        raise HTTPException(404, str(exc.args[0])) from exc
     try:
         with fsspec.open(report_path(run_id), "r") as f:
-            return f.read()
+            body = f.read()
     except FileNotFoundError as exc:
         raise HTTPException(
             404, f"run {run_id!r}: no report.html (not written yet, or since removed)"
         ) from exc
+    return HTMLResponse(body, headers=STATIC_REPORT_HEADERS)
 
 
 @app.get("/trace", response_class=HTMLResponse)

@@ -8,7 +8,10 @@ its first request (about a second of imports that no task process should pay).
 
 The UI shows the pages through external views: a **Slipway** entry in the navigation, a
 "Slipway report" tab on every DAG run and a "Slipway step" tab on every task instance (the run
-page, opened at the task's step). Airflow fills ``{DAG_ID}``, ``{RUN_ID}`` and ``{TASK_ID}``.
+page, opened at the task's step). Airflow fills ``{DAG_ID}``, ``{RUN_ID}`` and ``{TASK_ID}``
+(percent-encoded). The tabs name the DAG too: scheduled run ids are the same in every DAG, and
+another DAG's tab must not open a Slipway run of the same id (the page says that DAG records
+no Slipway lineage).
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ class SlipwayPlugin(AirflowPlugin):
         },
         {
             "name": "Slipway report",
-            "href": f"{URL_PREFIX}/runs/{{RUN_ID}}",
+            "href": f"{URL_PREFIX}/runs/{{RUN_ID}}?dag_id={{DAG_ID}}",
             "destination": "dag_run",
             "url_route": "slipway-run",
         },
         {
             "name": "Slipway step",
-            "href": f"{URL_PREFIX}/runs/{{RUN_ID}}#step-{{TASK_ID}}",
+            "href": f"{URL_PREFIX}/runs/{{RUN_ID}}?dag_id={{DAG_ID}}#step-{{TASK_ID}}",
             "destination": "task_instance",
             "url_route": "slipway-step",
         },

@@ -933,9 +933,11 @@ class LineageStore:
         return owners
 
     def run_ids(self) -> set[str]:
-        """Every run id with an execution recorded."""
+        """Every run id with an execution recorded (executions recorded without one are no
+        run's, as in :meth:`runs`)."""
+        query = select(Execution.run_id).where(Execution.run_id.is_not(None)).distinct()
         with self._read() as session:
-            return set(session.execute(select(Execution.run_id).distinct()).scalars())
+            return set(session.execute(query).scalars())
 
     def require_owner(self, run_id: str, pipeline: str | None) -> None:
         """``RunIdConflict`` unless ``pipeline``'s run ``run_id`` may act on the executions

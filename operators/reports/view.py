@@ -7,7 +7,8 @@ records in/out and drops by reason, a token store's tokens); the training, evalu
 benchmark and sample records from the artifacts the train and evaluate steps recorded; the
 gate's decision from its execution; what a clear-and-rerun resumes from the run summary of the
 run's last task (the pipeline's ``record``, ``operators/record.py``; the sweep's ``check``,
-``operators/sweep/summary.py``), which probed the step markers when the run ended.
+``operators/sweep/summary.py``), which probed the step markers when the run ended. A summary
+that a step started after (the run cleared and running again) is not used.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class RunView:
     gate: Mapping[str, Any] | None
     exports: tuple[str, ...]
     failures: tuple[StepRow, ...]
-    resume: Mapping[str, Any] | None  # the run summary's "resume" (None before it is written)
+    # the run summary's "resume" (None before it is written, and once a rerun has started)
+    resume: Mapping[str, Any] | None
     summary_failed: tuple[Mapping[str, Any], ...]  # the run summary's failed steps, first first
     task_states: Mapping[str, str | None] = field(default_factory=dict)  # the summary's, by task
     # The latest train execution's output folder, recorded when it started: where the loss
@@ -281,6 +283,13 @@ def run_view(graph: RunGraph) -> RunView:
             training = found
         if name != "record":  # the run's own summary: not a step of the pipeline
             rows.append(_step_row(node, attempts[name]))
+    if summarized_by is not None and any(
+        node.execution.started_at > summarized_by.started_at for node in graph.steps
+    ):
+        # A step started after the summary: the run was cleared and runs again, so the
+        # summary's failures, resume plan, task states, state and end are an earlier
+        # attempt's. The executions say where the rerun is until its last task sums it up.
+        summary, summarized_by = {}, None
     ended_at = graph.run.ended_at
     if summary and ended_at is None and summarized_by is not None:
         # Written by the run's last task while it runs: the run ended when that task began.

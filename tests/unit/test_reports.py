@@ -216,6 +216,70 @@ def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
     assert "Clear the failed task" not in text
 
 
+def test_a_rerun_after_the_run_summary_shows_the_rerun_not_the_failure_it_summed_up(store):
+    """Cleared after it failed, the run trains again (what its page told the reader to do).
+    The summary record wrote of the failure (failed at train, the resume plan, evaluate and
+    gate not run, FAILED, its end) is an earlier attempt's: the page shows the rerun as its
+    executions have it, and, once it fails again, that failure."""
+    from datetime import timedelta
+
+    graph = store.run_graph("bad <script>")
+    summarized = next(n.execution for n in graph.steps if n.execution.name == "record")
+    again = summarized.started_at + timedelta(minutes=5)
+    train = store.start_execution(
+        "train",
+        run_id="bad <script>",
+        pipeline="slipway_pipeline",
+        step_version="44444444",
+        started_at=again,
+        properties={"output": run_view(graph).train_output},
+    )
+    body = pages.run_page(store, "bad <script>", "/s", dag_run=pages.DagRun("RUNNING", again))
+    html = parse(body)
+    text = _words(html)
+    assert 'id="failure"' not in body and "Training resumes" not in text
+    rows = html.step_rows()
+    assert rows["train"][1] == "RUNNING" and "evaluate" not in rows and "gate" not in rows
+    assert "RUNNING: no final checkpoint recorded yet; the loss the trainer logged so far" in text
+    # without Airflow's state, the executions': running, so no end and no duration
+    view = run_view(store.run_graph("bad <script>"))
+    assert (str(view.state), view.ended_at) == ("RUNNING", None)
+    assert (view.resume, view.task_states, view.summary_failed) == (None, {}, ())
+    assert "· running" in _words(parse(pages.run_page(store, "bad <script>", "/s")))
+
+    store.finish_execution(
+        train,
+        "FAILED",
+        error="TrainerFailed: out of memory",
+        ended_at=again + timedelta(seconds=30),
+    )
+    body = pages.run_page(store, "bad <script>", "/s", dag_run=pages.DagRun("RUNNING", again))
+    text = _words(parse(body))
+    assert "Failed at train" in text and "TrainerFailed: out of memory" in text
+    assert "preempted" not in text  # the first attempt's failure, the summary's
+    assert "(record) has not written its summary yet" in text
+
+
+def test_a_run_airflow_failed_without_a_failed_step_says_so_and_where_to_look(store):
+    """A DAG-run timeout with tasks queued, a run marked failed by hand, a task that failed
+    before recording: Airflow says FAILED and no recorded step failed. The page says that
+    and points to the task logs, instead of "Failed at :" and a plan with "0 run again"."""
+    from datetime import UTC, datetime
+
+    failed = pages.DagRun(
+        "FAILED", datetime(2026, 12, 1, 2, 0, tzinfo=UTC), datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
+    )
+    body = pages.run_page(store, "good", "/s", dag_run=failed)
+    text = _words(parse(body))
+    assert "Airflow marks the run failed, but none of its recorded steps failed" in text
+    assert "Failed at" not in text and "run again" not in text and 'id="resume-plan"' not in body
+    (box,) = re.findall(r'<div class="failure" id="failure">.*?</div>', body, re.S)
+    assert "The task logs say why:" in _words(parse(box))
+    assert 'href="/dags/slipway_pipeline/runs/good" target="_top"' in box
+    static = pages.run_page(store, "good", None, dag_run=failed)  # no Airflow to link
+    assert "none of its recorded steps failed" in static and 'href="/dags/' not in static
+
+
 def test_a_worse_promotion_many_drop_reasons_and_multiline_samples_read_well(store):
     """A model promoted with no criterion over a better one is flagged, not shown as plain
     success; a step's drop reasons show the top four, the rest folded; a completion's
@@ -860,6 +924,112 @@ def test_a_browser_gets_error_pages_and_an_api_client_text(client):
     assert bare.status_code == 400 and "Give its URI: /trace?uri=" in bare.text
     text = client.get("/runs/nothing", headers={"accept": "application/json"})
     assert text.headers["content-type"].startswith("text/plain") and text.text == "no run 'nothing'"
+
+
+def test_a_bad_query_value_is_an_error_page_not_json(client):
+    """``?page=abc`` or ``?page=0`` from a browser is the error page, as every other error;
+    anything not asking for HTML gets the reason as text."""
+    for page in ("abc", "0"):
+        shown = client.get("/", params={"page": page}, headers={"accept": "text/html"})
+        assert shown.status_code == 422, page
+        assert shown.headers["content-type"].startswith("text/html")
+        html = parse(shown.text)
+        assert "Bad request" in html.text and 'href="/slipway/"' in shown.text
+        assert _words(html).count("page: Input should be") == 1
+        text = client.get("/", params={"page": page})
+        assert text.status_code == 422 and text.headers["content-type"].startswith("text/plain")
+        assert text.text.startswith("page: Input should be"), text.text
+
+
+def test_a_dag_runs_tab_opens_that_dags_run_and_no_other_dags(client, store, tmp_path, monkeypatch):
+    """Airflow shows the plugin's tabs on every DAG run and task of every DAG, and scheduled
+    run ids are the same across DAGs: the tabs name the DAG, and another DAG's tab says it
+    records no Slipway lineage (404) instead of showing the Slipway run of that id, or a page
+    waiting for a validate that never comes. A link without the DAG (the pages' own) opens
+    the run as before."""
+    import importlib.util
+    from datetime import UTC, datetime
+
+    from operators import ui
+
+    plugin_file = Path(__file__).resolve().parents[2] / "plugins" / "slipway_plugin.py"
+    spec = importlib.util.spec_from_file_location("slipway_plugin", plugin_file)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    hrefs = {v["destination"]: v["href"] for v in plugin.SlipwayPlugin.external_views}
+    assert hrefs["dag_run"] == "/slipway/runs/{RUN_ID}?dag_id={DAG_ID}"
+    assert hrefs["task_instance"] == "/slipway/runs/{RUN_ID}?dag_id={DAG_ID}#step-{TASK_ID}"
+
+    def tab(dag_id: str, run_id: str) -> str:
+        """The tab's address as Airflow's UI fills it in (each value percent-encoded)."""
+        href = hrefs["dag_run"].removeprefix("/slipway")
+        return href.replace("{RUN_ID}", quote(run_id, safe="")).replace("{DAG_ID}", dag_id)
+
+    scheduled = "scheduled__2026-12-06T00:00:00+00:00"
+    record_run(store, scheduled, tmp_path, fail_train=True)
+    began = datetime(2026, 12, 6, tzinfo=UTC)
+    airflow_has = {
+        ("slipway_pipeline", scheduled): pages.DagRun("FAILED", began, began),
+        ("etl_daily", scheduled): pages.DagRun("COMPLETE", began, began),
+        ("etl_daily", "manual__etl"): pages.DagRun("RUNNING", began),
+        ("slipway_pipeline", "waiting"): pages.DagRun("RUNNING", began),
+    }
+    monkeypatch.setattr(
+        ui, "dag_runs", lambda ids: {k: v for k, v in airflow_has.items() if k[1] in set(ids)}
+    )
+    html = {"accept": "text/html"}
+    mine = client.get(tab("slipway_pipeline", scheduled), headers=html)
+    assert mine.status_code == 200 and "preempted at step 12" in mine.text
+    assert client.get(f"/runs/{quote(scheduled, safe='')}").text == mine.text
+    other = client.get(tab("etl_daily", scheduled), headers=html)
+    assert other.status_code == 404 and "preempted" not in other.text
+    assert "etl_daily records no Slipway lineage" in _words(parse(other.text))
+    # a run of it Airflow has, that lineage has under no DAG: not a page waiting for validate
+    running = client.get(tab("etl_daily", "manual__etl"), headers=html)
+    assert running.status_code == 404 and 'id="pending"' not in running.text
+    # a Slipway DAG's run not recorded yet still waits, and is no other Slipway DAG's
+    assert 'id="pending"' in client.get(tab("slipway_pipeline", "waiting")).text
+    sweep = client.get(tab(pages.SWEEP_DAG, scheduled))
+    assert sweep.status_code == 404 and f"of {pages.SWEEP_DAG} recorded" in sweep.text
+
+
+def test_report_html_is_a_404_not_a_500_without_lineage_or_beside_executions_of_no_run(
+    client, store, tmp_path, monkeypatch
+):
+    """An execution recorded without a run id (the store allows it) is no run: it does not
+    break the run-folder check of every report; and before any lineage database exists the
+    report is a 404, as every other page."""
+    from operators import ui
+
+    write_run_report(store, "good")
+    store.finish_execution(store.start_execution("adhoc"))
+    assert client.get("/runs/good/report.html").status_code == 200
+    assert store.run_ids() == {"good", "bad <script>"}
+
+    monkeypatch.setattr(ui, "_store", None)
+    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path / "fresh"))
+    missing = client.get("/runs/good/report.html")
+    assert missing.status_code == 404 and "no lineage database" in missing.text
+
+
+def test_report_html_is_served_sandboxed_with_only_what_it_needs(client, store):
+    """The report is read from the storage root, which tasks write, and served from the
+    Airflow UI's origin: it runs no script and loads nothing but its inline styles and data:
+    images, so that is all a replaced file could do. The report itself needs no more."""
+    for run_id in ("good", "bad <script>"):
+        write_run_report(store, run_id)
+        served = client.get(f"/runs/{quote(run_id, safe='')}/report.html")
+        assert served.status_code == 200 and served.headers["content-type"].startswith("text/html")
+        assert served.headers["content-security-policy"] == (
+            "sandbox; default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+        )
+        assert served.headers["x-content-type-options"] == "nosniff"
+        body = served.text
+        images = parse(body).images
+        assert images and all(i["src"].startswith("data:image/png;base64,") for i in images)
+        for needs_more in ("<script", "<link", "<iframe", "<object", "url(", "@import", "@font"):
+            assert needs_more not in body, needs_more
 
 
 def test_a_user_sees_only_the_runs_of_the_dags_the_auth_manager_lets_them_read(client, store):
