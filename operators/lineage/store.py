@@ -94,7 +94,9 @@ _RETRY_FIRST_DELAY_S = 0.02
 # pg_advisory_xact_lock key: one process at a time creates or upgrades the schema.
 _SCHEMA_LOCK_KEY = 0x51_1F_3A_7E
 
-# Whichever state wins when a run's executions disagree: a run is as bad as its worst step.
+# Whichever state wins when the latest attempts of a run's steps disagree: a run is as bad as
+# its worst step. An earlier attempt that a rerun (a cleared task, a backfill) replaced does
+# not count: a run repaired that way reads COMPLETE, as its summary does.
 _RUN_STATE_PRECEDENCE = (
     ExecutionState.RUNNING,
     ExecutionState.FAILED,
@@ -687,13 +689,23 @@ class LineageStore:
                 .where(Execution.run_id.is_not(None))
                 .group_by(Execution.run_id, Execution.state)
             ).all()
+            latest = session.execute(
+                select(Execution.run_id, Execution.state)
+                .where(Execution.id.in_(_latest_attempts()))
+                .distinct()
+            ).all()
             pipelines = self._pipelines_by_run(session)
             properties = self._run_properties(session)
         by_run: dict[str, list[tuple[str, int, datetime, datetime | None]]] = {}
         for run_id, state, count, started, ended in grouped:
             by_run.setdefault(run_id, []).append((state, count, started, ended))
+        latest_states: dict[str, set[str]] = {}
+        for run_id, state in latest:
+            latest_states.setdefault(run_id, set()).add(str(state))
         summaries = [
-            _summary(run_id, pipelines.get(run_id), rows, properties.get(run_id))
+            _summary(
+                run_id, pipelines.get(run_id), rows, properties.get(run_id), latest_states[run_id]
+            )
             for run_id, rows in by_run.items()
         ]
         return sorted(summaries, key=lambda s: (s.started_at, s.run_id), reverse=True)
@@ -798,8 +810,10 @@ class LineageStore:
             target[ev.execution_id].append(Linked(_artifact_record(art), ev.role))
         records = [_execution_record(e) for e in executions]
         rows = [(str(r.state), 1, r.started_at, r.ended_at) for r in records]
+        latest = {e.name: e for e in sorted(executions, key=lambda e: e.id)}
+        latest_states = {str(e.state) for e in latest.values()}
         return RunGraph(
-            run=_summary(run_id, pipeline, rows, properties),
+            run=_summary(run_id, pipeline, rows, properties, latest_states),
             steps=tuple(StepNode(r, tuple(inputs[r.id]), tuple(outputs[r.id])) for r in records),
         )
 
@@ -1158,13 +1172,16 @@ def _summary(
     run_id: str,
     pipeline: str | None,
     rows: Iterable[tuple[str, int, datetime, datetime | None]],
-    properties: Mapping[str, Any] | None = None,
+    properties: Mapping[str, Any] | None,
+    latest_states: set[str],
 ) -> RunSummary:
+    """``rows``: (state, executions, first start, last end) of every execution of the run;
+    ``latest_states``: the states of each step's latest attempt, which decide the run's."""
     rows = list(rows)
     counts: dict[str, int] = {}
     for state, count, _, _ in rows:
         counts[state] = counts.get(state, 0) + count
-    state = next(s for s in _RUN_STATE_PRECEDENCE if counts.get(str(s)))
+    state = next(s for s in _RUN_STATE_PRECEDENCE if str(s) in latest_states)
     started = min(r[2] for r in rows)
     running = counts.get(str(ExecutionState.RUNNING), 0)
     ends = [r[3] for r in rows if r[3] is not None]
@@ -1223,13 +1240,13 @@ def _json_loads(text: str | bytes) -> Any:
     return json.loads(text, object_hook=_float_hook)
 
 
-def _latest_attempts(steps: Iterable[str]) -> Any:
-    """The ids of each run's latest execution of each of ``steps`` (by name): a subquery."""
-    return (
-        select(func.max(Execution.id))
-        .where(Execution.run_id.is_not(None), Execution.name.in_(list(steps)))
-        .group_by(Execution.run_id, Execution.name)
-    )
+def _latest_attempts(steps: Iterable[str] | None = None) -> Any:
+    """The ids of each run's latest execution of each of ``steps`` (by name; None: of every
+    step): a subquery."""
+    query = select(func.max(Execution.id)).where(Execution.run_id.is_not(None))
+    if steps is not None:
+        query = query.where(Execution.name.in_(list(steps)))
+    return query.group_by(Execution.run_id, Execution.name)
 
 
 def _journal_in_wal(cursor: Any) -> None:

@@ -534,3 +534,15 @@ def test_run_failures_are_the_runs_whose_latest_attempt_of_a_step_failed(url):
             ("eval-failed", "evaluate"),
         ]
         assert both[2].properties == {}
+        # A run's state is its steps' latest attempts': a retry that passed repairs it (as the
+        # run summary and Airflow say), while the earlier failure is still counted.
+        states = {r.run_id: (str(r.state), r.counts.get("FAILED", 0)) for r in store.runs()}
+        assert states == {
+            "passed-on-retry": ("COMPLETE", 1),
+            "failed-twice": ("FAILED", 2),
+            "retrying": ("RUNNING", 1),
+            "killed": ("CANCELED", 0),
+            "eval-failed": ("FAILED", 1),
+        }
+        for run_id, (state, _) in states.items():
+            assert str(store.run_graph(run_id).run.state) == state
