@@ -57,7 +57,9 @@ def _eval_step(
     inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
     # the quantile-balancing bias decides expert selection: evaluate with the trained one, as
     # the model was trained and would be served (a zero bias routes differently)
-    x, _ = params.hidden(inputs, batch.segments, batch.positions, router_bias, dtype)
+    # a padding row (weight 0) takes no MoE expert capacity from the rows beside it
+    valid = jnp.broadcast_to(weights[:, None] > 0, inputs.shape)
+    x, _ = params.hidden(inputs, batch.segments, batch.positions, router_bias, dtype, valid)
     nll = token_nll(x, params.head(), targets, chunk)  # never the whole (B, S, V) logits
     return jnp.sum(nll * weights[:, None]), jnp.sum(weights) * targets.shape[1]
 

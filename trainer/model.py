@@ -158,13 +158,16 @@ class MLP(eqx.Module):
 
 
 def route(
-    logits: Array, bias: Array, top_k: int, capacity: int
+    logits: Array, bias: Array, top_k: int, capacity: int, valid: Array | None = None
 ) -> tuple[Array, Array, Array, Array, dict[str, Array]]:
     """Top-k routing of one group of T tokens over E experts (pure; float32).
 
     Selection uses ``logits + bias`` (bias is gradient-free, set by quantile balancing); combine
-    weights come from the unbiased logits. Returns (expert index (T,k), slot (T,k), keep (T,k),
-    weight (T,k), stats) where stats carries beta (E,), load (E,), drops and the aux loss terms.
+    weights come from the unbiased logits. ``valid`` (T,) bool: tokens that may take expert
+    capacity; the others (an evaluation's padding) are routed nowhere, so a sequence's scores
+    never depend on the padding beside it in a batch. Returns (expert index (T,k), slot (T,k),
+    keep (T,k), weight (T,k), stats) where stats carries beta (E,), load (E,), drops and the aux
+    loss terms.
     """
     t, e = logits.shape
     biased = logits + jax.lax.stop_gradient(bias)
@@ -182,10 +185,14 @@ def route(
     if top_k > 1:  # renormalize over the chosen experts; with k=1 keep p so the router learns
         weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
     onehot = jax.nn.one_hot(idx, e, dtype=jnp.int32)  # (T, k, E)
+    if valid is not None:
+        onehot = onehot * valid[:, None, None].astype(jnp.int32)
     # capacity: first choices claim slots before second choices, then in token order
     flat = onehot.transpose(1, 0, 2).reshape(top_k * t, e)
     slot = jnp.sum((jnp.cumsum(flat, axis=0) - 1) * flat, axis=-1).reshape(top_k, t).T
     keep = slot < capacity
+    if valid is not None:
+        keep = keep & valid[:, None]
     load = jnp.sum(onehot, axis=(0, 1)).astype(jnp.float32)  # assignments per expert, pre-drop
     stats = {
         "beta": beta,
@@ -224,7 +231,11 @@ class MoE(eqx.Module):
             return group * m.top_k  # never drop
         return max(1, math.ceil(m.capacity_factor * group * m.top_k / m.num_experts))
 
-    def __call__(self, x: Array, bias: Array) -> tuple[Array, dict[str, Array]]:
+    def __call__(
+        self, x: Array, bias: Array, valid: Array | None = None
+    ) -> tuple[Array, dict[str, Array]]:
+        """x (B, S, D), the router bias (E,), ``valid`` (B, S) bool or None (every token) ->
+        (B, S, D) and the routing stats."""
         b, s, d = x.shape
         m = self.moe
         # routing groups: runs of gs consecutive tokens, row-major. The trainer and evaluator set
@@ -236,7 +247,12 @@ class MoE(eqx.Module):
         xg = x.reshape(b * s // gs, gs, d)
         cap = self.capacity(gs)
         logits = jnp.einsum("gtd,de->gte", xg.astype(jnp.float32), self.router)
-        idx, slot, keep, weight, stats = jax.vmap(lambda lg: route(lg, bias, m.top_k, cap))(logits)
+        if valid is None:  # training: every token routed, the step's graph as it always was
+            routed = jax.vmap(lambda lg: route(lg, bias, m.top_k, cap))(logits)
+        else:
+            vg = valid.reshape(b * s // gs, gs)
+            routed = jax.vmap(lambda lg, v: route(lg, bias, m.top_k, cap, v))(logits, vg)
+        idx, slot, keep, weight, stats = routed
 
         def dispatch(xt, ix, sl, kp):
             buf = jnp.zeros((m.num_experts, cap, d), x.dtype)
@@ -292,15 +308,21 @@ class Block(eqx.Module):
             self.mlp = MoE(cfg, km)
 
     def __call__(
-        self, x: Array, segments: Array, positions: Array, bias: Array
+        self,
+        x: Array,
+        segments: Array,
+        positions: Array,
+        bias: Array,
+        valid: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """Pre-norm residual block: x (B, S, D), segments and positions (B, S), the MoE router
-        bias (E,) -> (B, S, D) and the MoE stats (empty for a dense block)."""
+        bias (E,), the tokens that take expert capacity (B, S; None: all) -> (B, S, D) and the
+        MoE stats (empty for a dense block)."""
         with jax.named_scope("block"):
             x = x + self.attn(self.attn_norm(x), segments, positions)
             if isinstance(self.mlp, MoE):
                 with jax.named_scope("moe"):
-                    y, stats = self.mlp(self.mlp_norm(x), bias)
+                    y, stats = self.mlp(self.mlp_norm(x), bias, valid)
             else:
                 y, stats = self.mlp(self.mlp_norm(x)), {}
             return x + y, stats
@@ -332,9 +354,12 @@ class Transformer(eqx.Module):
         positions: Array,
         router_bias: Array | None = None,
         dtype: jnp.dtype = jnp.float32,
+        valid: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """tokens, segments, positions: (B, S) -> final-normed hidden states (B, S, D) in
-        ``dtype``, per-layer MoE stats. The output projection is ``head()``."""
+        ``dtype``, per-layer MoE stats. The output projection is ``head()``. ``valid`` (B, S)
+        bool: the tokens that take MoE expert capacity (an evaluation's padding does not);
+        None: all of them."""
         cfg = self.cfg
         x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
         params, static = eqx.partition(self.layers, eqx.is_array)
@@ -343,7 +368,7 @@ class Transformer(eqx.Module):
 
         def body(h, xs):
             p, bias = xs
-            return eqx.combine(p, static)(h, segments, positions, bias)
+            return eqx.combine(p, static)(h, segments, positions, bias, valid)
 
         if cfg.remat:
             body = jax.checkpoint(body)

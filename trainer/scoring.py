@@ -64,17 +64,26 @@ def _bucket(n: int, max_len: int) -> int:
 
 
 def _token_scores(
-    params: Transformer, router_bias: Array, tokens: Array, targets: Array, *, dtype
+    params: Transformer,
+    router_bias: Array,
+    tokens: Array,
+    targets: Array,
+    lengths: Array,
+    *,
+    dtype,
 ) -> tuple[Array, Array]:
-    """tokens, targets (B, L) -> log p(target) (B, L) float32 and target == argmax (B, L).
+    """tokens, targets (B, L), each row's length (B, 1) -> log p(target) (B, L) float32 and
+    target == argmax (B, L).
 
     One document per row (segment 0), positions from 0; padding at the end of a row is never
-    attended to by the tokens before it. The logits are computed ``LOGIT_CHUNK`` positions at a
+    attended to by the tokens before it, and takes no MoE expert capacity (a request scores the
+    same whatever it is batched with). The logits are computed ``LOGIT_CHUNK`` positions at a
     time so a large vocabulary never materializes (B, L, V) at once."""
     b, s = tokens.shape
     segments = jnp.zeros((b, s), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    x, _ = params.hidden(tokens, segments, positions, router_bias, dtype)
+    valid = positions < lengths
+    x, _ = params.hidden(tokens, segments, positions, router_bias, dtype, valid)
     head = params.head().astype(dtype)
     chunk = math.gcd(s, LOGIT_CHUNK)  # a divisor of s: buckets are powers of two, max_len any
     n = s // chunk
@@ -118,8 +127,8 @@ class Scorer:
         self.batch_size, self.max_len, self.fixed_length = batch_size, max_len, fixed_length
         self._rows = dist.batch_sharding(mesh)
         self._step = jax.jit(
-            dist.on_mesh(lambda p, r, t, y: _token_scores(p, r, t, y, dtype=dtype), mesh),
-            in_shardings=(shardings, dist.replicated(mesh), self._rows, self._rows),
+            dist.on_mesh(lambda p, r, t, y, n: _token_scores(p, r, t, y, n, dtype=dtype), mesh),
+            in_shardings=(shardings, dist.replicated(mesh), self._rows, self._rows, self._rows),
             out_shardings=dist.replicated(mesh),
         )
 
@@ -151,11 +160,18 @@ class Scorer:
             i += len(batch)
             tokens = np.zeros((self.batch_size, length), np.int32)
             targets = np.zeros((self.batch_size, length), np.int32)
+            # (B, 1): laid out by rows, as the tokens; rows past the requests have length 0
+            lengths = np.zeros((self.batch_size, 1), np.int32)
             for row, r in enumerate(batch):
                 inp, tgt, _ = windows[r]
                 tokens[row, : len(inp)], targets[row, : len(tgt)] = inp, tgt
+                lengths[row, 0] = len(inp)
             lp, greedy = self._step(
-                self.params, self.router_bias, self._array(tokens), self._array(targets)
+                self.params,
+                self.router_bias,
+                self._array(tokens),
+                self._array(targets),
+                self._array(lengths),
             )
             lp, greedy = np.asarray(lp), np.asarray(greedy)
             for row, r in enumerate(batch):

@@ -339,3 +339,49 @@ def test_default_routing_group_is_the_tokens_of_one_device():
     # ... which is not what one group per sequence (the old default) would give
     per_row = [route_stats(logits[r], layer.capacity(16))["beta"] for r in range(4)]
     assert not np.allclose(stats["beta"], np.mean(per_row, axis=0), atol=1e-3)
+
+
+def test_padding_takes_no_expert_capacity():
+    # Ten tokens all want expert 0 first; the first six are padding. With a capacity of 4,
+    # the padding once took the four slots and pushed every real token out.
+    s = jnp.tile(jnp.array([[5.0, 1.0, 0.0, -1.0]]), (10, 1))
+    valid = jnp.arange(10) >= 6
+    _, slot, keep, _, stats = route(s, jnp.zeros(4), 1, capacity=4, valid=valid)
+    keep, slot = np.asarray(keep)[:, 0], np.asarray(slot)[:, 0]
+    assert keep.tolist() == [False] * 6 + [True] * 4
+    assert slot[6:].tolist() == [0, 1, 2, 3]
+    np.testing.assert_array_equal(np.asarray(stats["load"]), [4, 0, 0, 0])
+
+
+def test_a_moe_models_scores_do_not_depend_on_what_shares_the_batch():
+    # Benchmarks pad every MoE batch to the training window: a request must score the same
+    # alone as beside other requests (and their padding).
+    from trainer import distributed as dist
+    from trainer.config import MeshConfig
+    from trainer.restore import replicated
+    from trainer.scoring import Scorer
+
+    b, length = 4, 64
+    moe = MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25)
+    cfg = resolve_model(
+        ModelConfig(preset="nano", vocab_size=64, moe=moe), tokens_per_device=b * length
+    )
+    params = Transformer(cfg, jax.random.key(0))
+    mesh = dist.make_mesh(MeshConfig())
+    bias = replicated(np.zeros((cfg.num_layers, 4), np.float32), dist.replicated(mesh))
+    scorer = Scorer(
+        params,
+        bias,
+        dist.param_shardings(params, mesh),
+        mesh,
+        batch_size=b,
+        max_len=length,
+        fixed_length=True,
+    )
+    rng = np.random.default_rng(1)
+    requests = [
+        (rng.integers(1, 64, n).tolist(), rng.integers(1, 64, 5).tolist()) for n in (50, 8, 8, 8)
+    ]
+    together = [s.loglikelihood for s in scorer.score(requests)]
+    alone = [scorer.score([r])[0].loglikelihood for r in requests]
+    assert together == alone
