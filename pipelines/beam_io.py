@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import apache_beam as beam
+import fsspec
 import xxhash
 from apache_beam import pvalue
 
@@ -31,13 +32,15 @@ from pipelines.documents import (
     validate_document,
 )
 from pipelines.manifest import FORMAT as DOCUMENTS_FORMAT
-from pipelines.manifest import ShardInfo, has_manifest, read_manifest
+from pipelines.manifest import MANIFEST_NAME, ShardInfo, has_manifest, read_manifest
 
 RECORDS = "records"
 DEAD = "dead_letter"  # the tag of every dead-letter output, in every stage
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
 HF_PREFIX = "hf:"
+DEAD_LETTER_FOLDER = "dead_letter"  # where every stage writes its dead-letter shards
+_SHARD_PART = re.compile(r"part-.*-of-")  # a stage's shard, finished or still a temporary file
 
 
 class InputError(ValueError):
@@ -91,12 +94,8 @@ def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource
                 )
             sources.extend(InputSource("jsonl", p) for p in manifest.shard_paths(spec))
             continue
-        fs = storage.filesystem(spec)
-        if fs.isdir(spec):
-            pattern = storage.join(spec, "**")
-            files = [p for p in storage.expand_glob(pattern) if _supported(p)]
-        else:
-            files = storage.expand_glob(spec)
+        is_folder = storage.filesystem(spec).isdir(spec)
+        files = _folder_files(spec) if is_folder else storage.expand_glob(spec)
         if not files:
             raise FileNotFoundError(f"input {spec!r} matches no files")
         for path in files:
@@ -109,10 +108,49 @@ def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource
     return sources
 
 
+def _folder_files(spec: str) -> list[str]:
+    """The JSONL/Parquet files below a folder input that has no manifest, sorted.
+
+    Stage outputs inside it are read by their ``data/`` shards only: their ``dead_letter/``
+    files are JSONL too, and read as documents they would all be dropped as invalid. One
+    without its manifest (a crashed or running stage) is refused: its shards may be partial.
+    """
+    fs, root = fsspec.core.url_to_fs(spec)
+    root = root.rstrip("/")
+    protocol = spec.split("://", 1)[0] + "://" if "://" in spec else ""
+    listed = {
+        path.rstrip("/"): info for path, info in fs.find(root, withdirs=True, detail=True).items()
+    }
+    files: list[str] = []
+    outputs: set[str] = set()  # folders that look like stage outputs
+    for path in sorted(listed):
+        if not path.startswith(root + "/"):
+            continue  # the folder itself
+        parts = path[len(root) + 1 :].split("/")
+        is_file = listed[path].get("type") == "file"
+        folders = parts[:-1] if is_file else parts
+        if DEAD_LETTER_FOLDER in folders:
+            outputs.add("/".join([root, *folders[: folders.index(DEAD_LETTER_FOLDER)]]))
+            continue
+        if is_file and parts[-2:-1] == ["data"] and _SHARD_PART.match(parts[-1]):
+            outputs.add("/".join([root, *parts[:-2]]))
+        if is_file and _supported(path):
+            files.append(path if path.startswith(protocol) else protocol + path)
+    for output in sorted(outputs):
+        if f"{output}/{MANIFEST_NAME}" not in listed:
+            shown = output if output.startswith(protocol) else protocol + output
+            raise InputError(
+                f"input {spec!r}: {shown!r} is an unfinished stage output (data/part-* shards"
+                f" or a {DEAD_LETTER_FOLDER}/ folder, but no {MANIFEST_NAME}): its stage crashed"
+                " or is still running; rerun it, or give a finished output"
+            )
+    return files
+
+
 def _read_jsonl(source: InputSource) -> Iterator[Any]:
     line_no = 0
     try:
-        for line_no, raw in enumerate(storage.iter_lines(source.path), start=1):
+        for line_no, raw in storage.iter_numbered_lines(source.path):
             origin = f"{source.path}:{line_no}"
             try:
                 yield (origin, decode_line(raw))
@@ -427,7 +465,11 @@ def write_dead_letters(
     label: str = "WriteDead",
 ) -> beam.PCollection:
     return letters | label >> WriteShards(
-        output_dir, "dead_letter/part", num_shards, _dead_letter_shard_key, dead_letter_sort_key
+        output_dir,
+        f"{DEAD_LETTER_FOLDER}/part",
+        num_shards,
+        _dead_letter_shard_key,
+        dead_letter_sort_key,
     )
 
 

@@ -7,7 +7,9 @@ dead letter names the matching eval set(s), the number of shared n-grams per set
 shared n-gram as an example. The manifest counts contaminated documents per eval set.
 
 Eval sets are document JSONL(.gz) files, globs or stage outputs; a record's ``source`` names
-its set (``data/eval/hellaswag.jsonl.gz`` holds documents with source ``hellaswag``).
+its set (``data/eval/hellaswag.jsonl.gz`` holds documents with source ``hellaswag``). Eval
+texts are normalized as ingest normalizes the corpus (``pipelines.text.normalize_text``) before
+they are split into words.
 
 Eval texts shorter than ``ngram`` words (a PIQA goal, an ARC question) would otherwise never
 match anything: one with at least ``min_short_words`` words is used whole, as a single n-gram
@@ -45,6 +47,7 @@ from pipelines.stage import StageError, StageRun, run_as_command, stage_main
 from pipelines.text import (
     ngram_hashes,
     ngram_hashes_by_length,
+    normalize_text,
     sorted_unique,
     token_hashes,
     words,
@@ -75,7 +78,9 @@ def eval_ngrams(item: tuple[str, Any], config: DecontaminateConfig) -> Iterator[
         yield pvalue.TaggedOutput(INVALID, 1)
         return
     name = eval_set_name(doc)
-    tokens = words(doc["text"])
+    # Corpus documents went through ingest's normalize_text (NFC, zero-width and control
+    # characters removed); an eval text must too, or its "café" in NFD never matches theirs.
+    tokens = words(normalize_text(doc["text"]))
     if len(tokens) >= config.ngram:
         n = config.ngram
     elif len(tokens) >= config.min_short_words:

@@ -11,10 +11,14 @@ stage, where the record came from and the record itself, so nothing is ever lost
 from __future__ import annotations
 
 import base64
+import datetime
+import decimal
 import json
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 Document = dict[str, Any]
 DeadLetter = dict[str, Any]
@@ -67,8 +71,14 @@ def decode_line(raw: bytes) -> Any:
         raise InvalidRecord("binary_data", "line contains NUL bytes")
     try:
         obj = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise InvalidRecord("invalid_json", str(err)) from None
+    except (ValueError, RecursionError) as err:
+        # Not only JSONDecodeError: an integer past Python's 4,300-digit limit raises a plain
+        # ValueError and deep nesting a RecursionError, and either, escaping, would end the
+        # reading of the whole file (or the stage) instead of this one line.
+        detail = (
+            str(err) if isinstance(err, json.JSONDecodeError) else f"{type(err).__name__}: {err}"
+        )
+        raise InvalidRecord("invalid_json", detail) from None
     # A lone surrogate escape ("\ud800") decodes to a str that cannot be encoded again, which
     # would crash the runner's coder far from here; only lines with such escapes pay the check.
     if _SURROGATE_ESCAPE.search(line):
@@ -84,14 +94,116 @@ def dumps(record: Mapping[str, Any]) -> str:
     return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
+class UnrepresentableValue(ValueError):
+    """A value with no JSON form (``json_safe``); ``path`` locates it inside the converted
+    value, as keys and list indices."""
+
+    def __init__(self, value: Any, why: str = "") -> None:
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        self.why = why or f"is a {kind}, which has no JSON form"
+        self.path: list[str | int] = []
+        super().__init__(self.why)
+
+    def __str__(self) -> str:
+        where = "".join(f"[{key!r}]" for key in self.path) or "the value"
+        return f"{where} {self.why}"
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _iso_duration(nanoseconds: int) -> str:
+    """ISO 8601 duration in days and seconds: ``P1DT3.5S``, ``-P0DT0.000000001S``."""
+    sign = "-" if nanoseconds < 0 else ""
+    days, rest = divmod(abs(nanoseconds), 86_400 * 10**9)
+    seconds, fraction = divmod(rest, 10**9)
+    decimals = f".{fraction:09d}".rstrip("0") if fraction else ""
+    return f"{sign}P{days}DT{seconds}{decimals}S"
+
+
+def json_safe(value: Any, *, strict: bool = True) -> Any:
+    """``value`` made of JSON types only, the same for the same value in every process.
+
+    Raw Parquet and Hugging Face columns hold what ``json.dumps`` refuses. They become:
+    datetime, date and time: ISO 8601 (``isoformat``; NumPy's ``datetime_as_string``);
+    timedelta: an ISO 8601 duration in days and seconds (``P1DT3.5S``); bytes:
+    ``{"base64": ...}`` (the marker ``raw_payload`` uses for bytes that are not UTF-8);
+    Decimal: its string (exact); NumPy scalars and arrays: Python values and lists; tuples:
+    lists (named tuples: objects). Lists and dicts are converted all the way down. Anything
+    else (and a dict key that is not a string) raises ``UnrepresentableValue``, or with
+    ``strict=False`` becomes ``{"unrepresentable": "<module.type>"}``: a dead letter must
+    always be writable, but a type's repr may hold a memory address, which would break
+    byte-identical outputs.
+    """
+    try:
+        return _json_safe(value, strict)
+    except RecursionError:
+        why = "is nested deeper than Python's recursion limit"
+        if strict:
+            raise UnrepresentableValue(value, why) from None
+        return {"unrepresentable": why}
+
+
+def _json_safe(value: Any, strict: bool) -> Any:
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, dict):
+        converted: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                if strict:
+                    raise UnrepresentableValue(key)
+                key = dumps(_json_safe(key, strict))
+            try:
+                converted[key] = _json_safe(item, strict)
+            except UnrepresentableValue as err:
+                err.path.insert(0, key)
+                raise
+        return converted
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a named tuple
+        return _json_safe(value._asdict(), strict)
+    if isinstance(value, list | tuple | np.ndarray):
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            return _json_safe(value[()], strict)
+        items: list[Any] = []
+        for index, item in enumerate(value):
+            try:
+                items.append(_json_safe(item, strict))
+            except UnrepresentableValue as err:
+                err.path.insert(0, index)
+                raise
+        return items
+    if isinstance(value, datetime.date | datetime.time):  # datetime is a date
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        micros = (value.days * 86_400 + value.seconds) * 10**6 + value.microseconds
+        return _iso_duration(micros * 1000 + getattr(value, "nanoseconds", 0))  # pandas' ns
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, np.datetime64):
+        return np.datetime_as_string(value)
+    if isinstance(value, np.timedelta64):
+        if np.isnat(value):
+            return "NaT"
+        return _iso_duration(int(value.astype("timedelta64[ns]").astype(np.int64)))
+    if isinstance(value, np.generic):
+        return _json_safe(value.item(), strict)
+    if strict:
+        raise UnrepresentableValue(value)
+    return {"unrepresentable": f"{type(value).__module__}.{type(value).__qualname__}"}
+
+
 def raw_payload(raw: bytes | str | Any) -> Any:
-    """Make any raw input JSON-safe for a dead letter without losing a byte of it."""
+    """Make any raw input JSON-safe for a dead letter without losing a byte of it (values of
+    types JSON lacks are converted as ``json_safe`` converts them)."""
     if isinstance(raw, bytes):
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             return {"base64": base64.b64encode(raw).decode("ascii")}
-    return raw
+    return json_safe(raw, strict=False)
 
 
 def dead_letter(

@@ -2,7 +2,10 @@
 
 Raw records come from JSONL/Parquet files or Hugging Face datasets. Text is normalized
 (``pipelines.text.normalize_text``); records without an id get a stable one derived from their
-source and text; fields other than id/text/source/metadata are kept under ``metadata``.
+source and text; fields other than id/text/source/metadata are kept under ``metadata``, with
+values JSON lacks (timestamps, bytes, decimals, NumPy values) converted by
+``pipelines.documents.json_safe`` (a record holding a value it cannot convert is dropped as
+``unrepresentable_metadata``).
 Duplicate ids keep one record (deterministically) and dead-letter the rest.
 
     python -m pipelines.ingest --input 'data/raw/*.jsonl.gz' --output out/ingest \\
@@ -21,7 +24,13 @@ from apache_beam import pvalue
 from pipelines import spill
 from pipelines.beam_io import DEAD
 from pipelines.configs import IngestConfig
-from pipelines.documents import Document, dead_letter, make_document
+from pipelines.documents import (
+    Document,
+    UnrepresentableValue,
+    dead_letter,
+    json_safe,
+    make_document,
+)
 from pipelines.stage import StageOutputs, StageRun, run_as_command, stage_main
 from pipelines.text import normalize_text
 
@@ -75,6 +84,13 @@ def _to_document(origin: str, obj: Any, config: IngestConfig) -> Iterator[Any]:
     for key, value in obj.items():
         if key not in (config.text_field, config.id_field, "source", "metadata"):
             metadata.setdefault(key, value)
+    try:
+        # Parquet and Hugging Face columns hold timestamps, bytes, decimals, NumPy values:
+        # converted here, or the shard writer's json.dumps would fail the whole stage.
+        metadata = json_safe(metadata)
+    except UnrepresentableValue as err:
+        yield drop("unrepresentable_metadata", f"metadata {err}")
+        return
     yield (doc_id, (origin, make_document(doc_id, text, source, metadata)))
 
 

@@ -24,6 +24,8 @@ import dataclasses
 import gc
 import json
 import logging
+import os
+import posixpath
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -206,15 +208,101 @@ def _matches(spec: str) -> bool:
     return storage.exists(spec)
 
 
+_GLOB_CHARS = "*?["
+# Config fields that name paths a stage reads besides its inputs: decontamination's eval sets,
+# tokenize's tokenizer. Clearing the output must not delete them either.
+READ_PATH_FIELDS = ("eval_sets", "tokenizer")
+
+
+def _normalized(path: str, url: bool) -> str:
+    if url:  # an object store has no symlinks and no current folder
+        path = posixpath.normpath(path) if path else ""
+        return "" if path == "." else path
+    return os.path.realpath(path or ".")
+
+
+def comparable_path(spec: str) -> tuple[str, bool]:
+    """``(location, is_glob)``: a path or URL spelled one way, to compare locations. Local
+    paths are absolute with symlinks resolved, URLs normalized (``gs://b/x/../y/`` is
+    ``gs://b/y``), an ``hf:`` spec is its dataset name or folder. A glob is the literal text
+    before its first wildcard (its folders normalized): every match starts with it."""
+    if spec.startswith(HF_PREFIX):
+        spec, _, _ = spec[len(HF_PREFIX) :].partition("@")
+        spec = spec if "://" in spec else spec.partition(":")[0]
+    scheme, separator, rest = spec.partition("://")
+    if not separator or scheme == "file":
+        scheme, rest = "", rest if separator else spec
+    url = f"{scheme}://" if scheme else ""
+    wildcards = [rest.index(c) for c in _GLOB_CHARS if c in rest]
+    if not wildcards:
+        return url + _normalized(rest, bool(url)), False
+    head = rest[: min(wildcards)]
+    folder, tail = (
+        (head[: head.rindex("/")] or "/", head.rsplit("/", 1)[1]) if "/" in head else ("", head)
+    )
+    folder = _normalized(folder, bool(url))
+    return url + (f"{folder.rstrip('/')}/{tail}" if folder else tail), True
+
+
+def overlaps(output: str, spec: str) -> bool:
+    """Whether clearing ``output`` could delete what ``spec`` names, or ``output`` lies where
+    ``spec`` reads: the same location, one inside the other, or (a glob) a match inside the
+    output or the output where a match could be."""
+    out, _ = comparable_path(output)
+    where, is_glob = comparable_path(spec)
+    if is_glob:
+        return out.startswith(where) or where.startswith(out.rstrip("/") + "/")
+    return (
+        out == where
+        or out.startswith(where.rstrip("/") + "/")
+        or where.startswith(out.rstrip("/") + "/")
+    )
+
+
+def check_output_apart(
+    stage: str, output: str, inputs: Sequence[str], reads: Sequence[str] = ()
+) -> None:
+    """Refuse an output that is, holds or lies inside anything the stage reads: clearing it
+    would delete the stage's own input (``--input X --output X``, ``--output out --input
+    out/ingest``), and an output inside a folder input would be read by the next run."""
+    for spec in [*inputs, *reads]:
+        if overlaps(output, spec):
+            raise StageError(
+                f"{stage}: --output {output!r} overlaps {spec!r}, which the stage reads (the same"
+                " location, or one inside the other): clearing the output would delete it;"
+                " write the output somewhere else"
+            )
+
+
+def config_read_paths(config: Any) -> list[str]:
+    """The paths a stage's config names for it to read (``READ_PATH_FIELDS``)."""
+    values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    paths: list[str] = []
+    for field in READ_PATH_FIELDS:
+        value = values.get(field)
+        if isinstance(value, str):
+            paths.extend([value] if value else [])
+        elif isinstance(value, list | tuple):
+            paths.extend(p for p in value if isinstance(p, str) and p)
+    return paths
+
+
 def prepare_run(
-    stage: str, inputs: Sequence[str], output: str, num_shards: int, beam_args: Sequence[str]
+    stage: str,
+    inputs: Sequence[str],
+    output: str,
+    num_shards: int,
+    beam_args: Sequence[str],
+    reads: Sequence[str] = (),
 ) -> PipelineOptions:
-    """Checks and set-up shared by every stage run; returns the Beam options."""
+    """Checks and set-up shared by every stage run; returns the Beam options. ``reads``: what
+    the stage reads besides its inputs (``config_read_paths``), kept apart from the output."""
     if not inputs:
         raise StageError(f"{stage}: at least one --input is required")
     if num_shards < 1:
         raise StageError(f"{stage}: --num_shards must be >= 1")
     options = pipeline_options(beam_args)
+    check_output_apart(stage, output, inputs, reads)
     for spec in inputs:  # before the output is cleared: a mistyped input keeps the last one
         if not spec.startswith(HF_PREFIX) and not _matches(spec):
             raise StageError(f"{stage}: input {spec!r} matches no files")
@@ -275,7 +363,7 @@ def run_pipeline(
     beam_args: Sequence[str] = (),
 ) -> StageRun:
     """Run one stage as one Beam pipeline and return its manifest."""
-    options = prepare_run(stage, inputs, output, num_shards, beam_args)
+    options = prepare_run(stage, inputs, output, num_shards, beam_args, config_read_paths(config))
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     started = time.monotonic()
     # A caller may have frozen the heap already (Airflow's LocalExecutor does before it forks

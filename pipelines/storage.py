@@ -122,21 +122,31 @@ def _gunzip_chunks(raw: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[bytes]:
 
 def iter_lines(path: str) -> Iterator[bytes]:
     """Raw non-blank lines (without the newline) of a text file, gunzipping ``.gz`` files."""
+    for _, line in iter_numbered_lines(path):
+        yield line
+
+
+def iter_numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of the non-blank lines of ``iter_lines``, numbered as an
+    editor numbers them (from 1, blank lines counted), so a dead letter's origin points at
+    its line in the file."""
     with fsspec.open(path, "rb") as raw:
         chunks: Iterable[bytes] = (
             _gunzip_chunks(raw) if path.endswith(".gz") else iter(lambda: raw.read(1 << 20), b"")
         )
         pending = b""
+        number = 0
         for chunk in chunks:
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
+                number += 1
                 if line.endswith(b"\r"):
                     line = line[:-1]
                 if line.strip():
-                    yield line
+                    yield number, line
         if pending.strip():
-            yield pending.rstrip(b"\r")
+            yield number + 1, pending.rstrip(b"\r")
 
 
 # GzipFile(filename="", mtime=0, compresslevel=6)'s header: no flags, no time, no extra flags, OS

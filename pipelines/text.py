@@ -23,7 +23,9 @@ _ASCII_WORD_BYTES = bytes(c if c in ASCII_WORD_CHARS else 0x20 for c in range(25
 def normalize_text(text: str) -> str:
     """NFC, unified newlines, control characters removed, trailing spaces and blank runs trimmed.
 
-    Leading indentation is kept: code is a source too.
+    Indentation is kept on every line but the first (code is a source too): the text's leading
+    and trailing newlines and spaces are stripped, so its first line loses its leading spaces
+    (not its tabs). Ingest's texts, and so every later stage's outputs, depend on this form.
     """
     text = unicodedata.normalize("NFC", text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")

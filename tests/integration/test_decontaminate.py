@@ -156,3 +156,34 @@ def test_missing_eval_set_is_a_clear_error(files, tmp_path, capsys):
 def test_bad_config_names_the_field(values, named):
     with pytest.raises(StageError, match=named):
         config_from_mapping(DecontaminateConfig, values)
+
+
+def test_eval_texts_are_normalized_as_ingest_normalizes_the_corpus():
+    """An eval text in NFD with a zero-width space still matches the same sentence after
+    ingest (NFC, zero-width characters removed)."""
+    import unicodedata
+
+    from pipelines.text import normalize_text
+
+    sentence = (
+        "At the café near the old crème brûlée stall the naïve chef served a soufflé, a"
+        " crêpe and a purée to every fiancé who came"
+    )
+    eval_text = unicodedata.normalize("NFD", sentence).replace("brûlée", "brû\u200blée")
+    assert eval_text != sentence
+    index = build_index([_doc("e", eval_text, "lambada")], DecontaminateConfig())
+    matched, example = find_matches(normalize_text(eval_text), index, 1)
+    assert matched == {"lambada": len(words(sentence)) - 12}
+    assert example is not None and "café" in example
+
+
+def test_an_output_overlapping_an_eval_set_is_refused(files, tmp_path, capsys):
+    evals = tmp_path / "o" / "eval"
+    evals.mkdir(parents=True)
+    (evals / "x.jsonl").write_text(json.dumps(_doc("e", HELLASWAG, "hellaswag")) + "\n")
+    argv = ["--input", str(files / "in.jsonl"), "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as exit_info:
+        decontaminate.main([*argv, "--eval_set", str(evals / "*.jsonl")])
+    assert exit_info.value.code == 2
+    assert "overlaps" in capsys.readouterr().err
+    assert (evals / "x.jsonl").exists()

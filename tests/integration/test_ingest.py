@@ -308,3 +308,114 @@ def test_cli_refuses_multi_threading_and_bad_config(tmp_path):
     assert missing.returncode == 2
     assert "matches no files" in missing.stderr
     assert not (tmp_path / "o").exists()  # refused before the output folder was touched
+
+
+def test_parquet_columns_json_lacks_are_converted(tmp_path):
+    """Timestamp, date, time, duration, binary and decimal columns (and lists and structs of
+    them) reach metadata in one JSON form; a dropped row's dead letter carries them too."""
+    import datetime
+    import decimal
+
+    at = datetime.datetime(2024, 5, 6, 7, 8, 9, 123456)
+    table = pa.table(
+        {
+            "text": ["a row with typed columns", None],
+            "at": pa.array([at, at], pa.timestamp("us")),
+            "at_ns": pa.array([at, at], pa.timestamp("ns", tz="UTC")),
+            "day": pa.array([at.date()] * 2, pa.date32()),
+            "clock": pa.array([at.time()] * 2, pa.time64("us")),
+            "took": pa.array([datetime.timedelta(seconds=90)] * 2, pa.duration("ms")),
+            "blob": pa.array([b"\x00\xff", b"\x01"], pa.binary()),
+            "price": pa.array([decimal.Decimal("19.90")] * 2, pa.decimal128(5, 2)),
+            "seen": pa.array([[at], []], pa.list_(pa.timestamp("s"))),
+            "info": pa.array(
+                [{"day": at.date(), "n": 1}] * 2,
+                pa.struct([("day", pa.date32()), ("n", pa.int64())]),
+            ),
+        }
+    )
+    pq.write_table(table, tmp_path / "typed.parquet")
+    run = run_stage(
+        "ingest",
+        ingest.build,
+        ingest.IngestConfig(source="web"),
+        [str(tmp_path / "typed.parquet")],
+        str(tmp_path / "o"),
+        raw_records=True,
+    )
+    assert (run.manifest.records_out, run.manifest.dropped) == (1, {"missing_text": 1})
+    (doc,) = read_documents(str(tmp_path / "o"))
+    expected = {
+        "at": "2024-05-06T07:08:09.123456",
+        "at_ns": "2024-05-06T07:08:09.123456+00:00",
+        "day": "2024-05-06",
+        "clock": "07:08:09.123456",
+        "took": "P0DT90S",
+        "blob": {"base64": "AP8="},
+        "price": "19.90",
+        "seen": ["2024-05-06T07:08:09"],
+        "info": {"day": "2024-05-06", "n": 1},
+    }
+    assert doc["metadata"] == expected
+    (letter,) = read_dead_letters(str(tmp_path / "o"))
+    assert letter["record"] == {
+        **expected,
+        "text": None,
+        "blob": {"base64": "AQ=="},
+        "seen": [],
+    }
+
+
+def test_a_value_without_json_form_is_dropped_with_its_field_named():
+    config = ingest.IngestConfig(source="web")
+    [out] = ingest.to_document(("f:1", {"text": "hello there", "odd": [object()]}), config)
+    letter = out.value
+    assert letter["reason"] == "unrepresentable_metadata"
+    assert "['odd'][0]" in letter["detail"]
+    assert letter["record"]["odd"] == [{"unrepresentable": "builtins.object"}]
+
+
+@pytest.mark.parametrize(
+    ("input_path", "output_path"),
+    [
+        ("docs", "docs"),  # --input X --output X
+        ("out/ingest", "out"),  # the output holds the input
+        ("docs", "docs/o"),  # the output inside a folder input
+        ("docs/*.jsonl", "docs/o"),  # a glob: its folder part
+        ("docs/../docs/a.jsonl", "./docs"),  # spelled another way
+    ],
+)
+def test_an_output_overlapping_an_input_is_refused_before_it_is_cleared(
+    tmp_path, monkeypatch, input_path, output_path
+):
+    monkeypatch.chdir(tmp_path)
+    for folder in ("docs", "out/ingest"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "a.jsonl").write_text('{"text": "kept"}\n')
+    with pytest.raises(StageError, match="overlaps") as refused:
+        run_stage(
+            "ingest",
+            ingest.build,
+            ingest.IngestConfig(),
+            [input_path],
+            output_path,
+            raw_records=True,
+        )
+    assert repr(output_path) in str(refused.value) and repr(input_path) in str(refused.value)
+    assert (tmp_path / "docs" / "a.jsonl").exists() and (tmp_path / "out/ingest/a.jsonl").exists()
+
+
+def test_overlap_is_judged_on_normalized_paths_and_urls():
+    from pipelines.stage import overlaps
+
+    assert overlaps("gs://bucket/out", "gs://bucket/out/ingest/")
+    assert overlaps("gs://bucket/out/ingest", "gs://bucket/out")
+    assert overlaps("gs://bucket/a/../out/", "gs://bucket/out/data/*.jsonl.gz")
+    assert overlaps("gs://bucket/out/x", "gs://bucket/out*/x")  # a glob: its literal start
+    assert overlaps("/tmp/out", "file:///tmp/out/x.jsonl")
+    assert overlaps("/data/raw/mine", "hf:/data/raw@train")  # a local Hugging Face folder
+    assert not overlaps("gs://bucket/out", "gs://bucket/output")
+    assert not overlaps("gs://bucket/out", "gs://other/out")
+    assert not overlaps("gs://bucket/out", "/bucket/out")
+    assert not overlaps("/tmp/out", "/tmp/in/*.jsonl")
+    assert not overlaps("/tmp/out", "/tmp/in-*.jsonl")  # no match can lie in /tmp/out

@@ -89,3 +89,23 @@ def test_stage_module_does_not_shadow_stdlib_tokenize():
     # so `import tokenize` (linecache, inspect, ...) still finds the standard library's.
     assert Path(stdlib_tokenize.__file__).parent == Path(json.__file__).parent.parent
     assert Path(tokenize.__file__).parent.name == "pipelines"
+
+
+def test_tokenize_refuses_an_output_holding_its_tokenizer(inputs, tmp_path, capsys):
+    model = tmp_path / "out" / "tokenizer.model"
+    model.parent.mkdir()
+    model.write_bytes(b"not cleared")
+    with pytest.raises(SystemExit) as refused:
+        tokenize.main(
+            [
+                "--input",
+                str(inputs / "docs.jsonl"),
+                "--tokenizer",
+                str(model),
+                "--output",
+                str(tmp_path / "out"),
+            ]
+        )
+    assert refused.value.code == 2
+    assert "overlaps" in capsys.readouterr().err
+    assert model.read_bytes() == b"not cleared"

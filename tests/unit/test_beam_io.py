@@ -132,3 +132,106 @@ def test_a_corrupt_gzip_keeps_what_came_before_and_dead_letters_the_rest(
     assert [r[1]["id"] for r in records] == [str(i) for i in range(kept)]
     if letters:  # the letter says where the unread rest begins
         assert letters[0]["origin"].endswith(f":{kept + 1}"), letters
+
+
+def _read(path) -> tuple[list, list]:
+    """(records, letters) of one input file, as the stages read it."""
+    from apache_beam import pvalue
+
+    from pipelines.beam_io import read_source
+
+    (source,) = resolve_inputs([str(path)])
+    out = list(read_source(source))
+    letters = [o.value for o in out if isinstance(o, pvalue.TaggedOutput)]
+    return [o for o in out if not isinstance(o, pvalue.TaggedOutput)], letters
+
+
+def test_a_line_json_cannot_parse_is_one_letter_and_reading_goes_on(tmp_path):
+    """A 5,000-digit integer (a plain ValueError from json.loads) and a line nested 100,000
+    deep (RecursionError) are each one ``invalid_json`` letter; the records after them are
+    read, and nothing is counted as an unreadable file."""
+    path = tmp_path / "corpus.jsonl"
+    path.write_bytes(
+        b'{"id": "0", "text": "before"}\n'
+        + b'{"id": "big", "n": '
+        + b"9" * 5000
+        + b"}\n"
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"\n"
+        + b'{"id": "3", "text": "after"}\n'
+    )
+    records, letters = _read(path)
+    assert [r[1]["id"] for r in records] == ["0", "3"]
+    assert [(x["reason"], x["origin"].rsplit(":", 1)[1]) for x in letters] == [
+        ("invalid_json", "2"),
+        ("invalid_json", "3"),
+    ]
+    assert "ValueError" in letters[0]["detail"] and "RecursionError" in letters[1]["detail"]
+
+
+def test_origins_are_the_lines_of_the_file_blank_lines_counted(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_bytes(b'{"id": "a", "text": "x"}\n\n  \n{bad\r\n\n{"id": "b", "text": "y"}')
+    records, letters = _read(path)
+    assert [r[0].rsplit(":", 1)[1] for r in records] == ["1", "6"]
+    assert [x["origin"].rsplit(":", 1)[1] for x in letters] == ["4"]
+
+
+def _stage_output(root, finished: bool) -> None:
+    """A documents stage output's files: its shards, its dead letters, its manifest if done."""
+    (root / "data").mkdir(parents=True)
+    (root / "dead_letter").mkdir()
+    for i in range(2):
+        (root / "data" / f"part-0000{i}-of-00002.jsonl.gz").write_bytes(b"")
+        (root / "dead_letter" / f"part-0000{i}-of-00002.jsonl.gz").write_bytes(b"")
+    if finished:
+        (root / "manifest.json").write_text("{}")
+
+
+def test_folder_input_reads_no_dead_letters(tmp_path):
+    """A folder holding stage outputs: their document shards are read, never the dead
+    letters beside them (JSONL too, but not documents)."""
+    (tmp_path / "raw.jsonl").write_bytes(b"")
+    _stage_output(tmp_path / "quality", finished=True)
+    (tmp_path / "notes" / "dead_letter").mkdir(parents=True)
+    (tmp_path / "notes" / "dead_letter" / "x.jsonl").write_bytes(b"")
+    (tmp_path / "notes" / "manifest.json").write_text("{}")
+    names = [s.path[len(str(tmp_path)) + 1 :] for s in resolve_inputs([str(tmp_path)])]
+    assert names == [
+        "quality/data/part-00000-of-00002.jsonl.gz",
+        "quality/data/part-00001-of-00002.jsonl.gz",
+        "raw.jsonl",
+    ]
+
+
+@pytest.mark.parametrize("where", ["", "out/quality"])
+def test_an_unfinished_stage_output_is_refused(tmp_path, where):
+    """Shards without a manifest are a crashed (or running) stage's: maybe partial."""
+    output = tmp_path / where if where else tmp_path
+    _stage_output(output, finished=False)
+    (tmp_path / "raw.jsonl").write_bytes(b"")
+    with pytest.raises(InputError, match="unfinished stage output") as refused:
+        resolve_inputs([str(tmp_path)])
+    assert repr(str(output)) in str(refused.value)
+    (output / "data" / "part-00000-of-00002.jsonl.gz").unlink()
+    (output / "data" / "part-00001-of-00002.jsonl.gz").unlink()
+    with pytest.raises(InputError, match="unfinished stage output"):  # dead_letter/ alone
+        resolve_inputs([str(tmp_path)])
+
+
+def test_folder_inputs_on_an_object_store():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("memory://bucket/corpus/a.jsonl", b"")
+    fs.pipe("memory://bucket/corpus/done/data/part-00000-of-00001.jsonl.gz", b"")
+    fs.pipe("memory://bucket/corpus/done/dead_letter/part-00000-of-00001.jsonl.gz", b"")
+    fs.pipe("memory://bucket/corpus/done/manifest.json", b"{}")
+    assert [s.path for s in resolve_inputs(["memory://bucket/corpus"])] == [
+        "memory:///bucket/corpus/a.jsonl",
+        "memory:///bucket/corpus/done/data/part-00000-of-00001.jsonl.gz",
+    ]
+    fs.rm("memory://bucket/corpus/done/manifest.json")
+    with pytest.raises(InputError, match="'memory:///bucket/corpus/done' is an unfinished"):
+        resolve_inputs(["memory://bucket/corpus/"])

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
+
+import numpy as np
 import pytest
 
-from pipelines.documents import InvalidRecord, decode_line, validate_document
+from pipelines.documents import (
+    InvalidRecord,
+    UnrepresentableValue,
+    decode_line,
+    dumps,
+    json_safe,
+    raw_payload,
+    validate_document,
+)
 
 
 @pytest.mark.parametrize(
@@ -14,6 +26,10 @@ from pipelines.documents import InvalidRecord, decode_line, validate_document
         (b"caf\xe9", "invalid_utf8"),
         (b'{"text": "a\x00b"}', "binary_data"),
         (b'{"text": "lone \\ud800 surrogate"}', "invalid_unicode"),
+        # json.loads raises a plain ValueError past Python's 4,300-digit int limit, and a
+        # RecursionError for deep nesting: still one bad line, not a bad file or a failed stage
+        (b'{"n": ' + b"1" * 5000 + b"}", "invalid_json"),
+        (b"[" * 100_000 + b"]" * 100_000, "invalid_json"),
     ],
 )
 def test_bad_lines_have_reasons(raw, reason):
@@ -39,3 +55,51 @@ def test_invalid_documents(obj, reason):
     with pytest.raises(InvalidRecord) as err:
         validate_document(obj)
     assert err.value.reason == reason
+
+
+def test_json_safe_gives_every_column_type_one_json_form():
+    """What Parquet and Hugging Face rows hold besides JSON types, as ingest stores it."""
+    value = {
+        "at": datetime.datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=datetime.UTC),
+        "day": datetime.date(2024, 5, 6),
+        "clock": datetime.time(7, 8, 9),
+        "took": datetime.timedelta(days=1, seconds=2, microseconds=500_000),
+        "back": -datetime.timedelta(seconds=1),
+        "blob": b"\x00\xff",
+        "price": decimal.Decimal("19.90"),
+        "nested": [{"n": np.int64(3), "ok": np.bool_(True)}, (1, 2)],
+        "array": np.array([[1.5, 2.0]]),
+        "scalar": np.array(7),
+        "np_at": np.datetime64("2024-05-06T07:08:09.000000001"),
+        "np_took": np.timedelta64(1500, "ms"),
+    }
+    assert json_safe(value) == {
+        "at": "2024-05-06T07:08:09.123456+00:00",
+        "day": "2024-05-06",
+        "clock": "07:08:09",
+        "took": "P1DT2.5S",
+        "back": "-P0DT1S",
+        "blob": {"base64": "AP8="},
+        "price": "19.90",
+        "nested": [{"n": 3, "ok": True}, [1, 2]],
+        "array": [[1.5, 2.0]],
+        "scalar": 7,
+        "np_at": "2024-05-06T07:08:09.000000001",
+        "np_took": "P0DT1.5S",
+    }
+    assert dumps(json_safe(value)) == dumps(json_safe(dict(reversed(value.items()))))
+
+
+def test_values_without_a_json_form_are_named_or_marked():
+    with pytest.raises(UnrepresentableValue, match=r"\['a'\]\[1\] is a builtins.object"):
+        json_safe({"a": [1, object()]})
+    with pytest.raises(UnrepresentableValue):
+        json_safe({1: "a key that is not a string"})
+    # A dead letter must always be writable: the same values are marked, not raised.
+    record = {"at": datetime.date(2024, 1, 1), "odd": object(), 2: "two"}
+    assert raw_payload(record) == {
+        "at": "2024-01-01",
+        "odd": {"unrepresentable": "builtins.object"},
+        "2": "two",
+    }
+    assert raw_payload(b"caf\xe9") == {"base64": "Y2Fm6Q=="}  # raw lines as before

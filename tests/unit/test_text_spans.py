@@ -14,6 +14,7 @@ from pipelines.text import (
     line_spans,
     ngram_hashes,
     ngram_hashes_by_length,
+    normalize_text,
     paragraph_spans,
     sorted_unique,
     spaced_words,
@@ -202,3 +203,10 @@ def test_ascii_fast_paths_tokenize_as_the_regex_does():
         "_",
         "abcdefghijklmnopqrstuvwxyz",
     ]
+
+
+def test_normalize_text_keeps_indentation_but_the_first_lines_spaces():
+    """As its docstring says: every later stage's outputs depend on this exact form."""
+    code = "\n\n    def area(r):\n        return r * r   \n\n\n\n# end\n"
+    assert normalize_text(code) == "def area(r):\n        return r * r\n\n# end"
+    assert normalize_text("\tindented by a tab") == "\tindented by a tab"
