@@ -208,10 +208,25 @@ def repeated_spans(item: tuple[str, Iterable[Any]]) -> Iterator[Any]:
 
 
 def remove_spans(text: str, spans: Sequence[Span], unit: str) -> str:
-    """The text without the spans; the remaining units are re-joined by their separator."""
+    """The text without the spans. Each unit (line or paragraph) owns the text from the start
+    of its first line to the start of the next unit's: its indentation, then the separator
+    after it. A removed unit goes with all of that, so what is left, indentation and blank
+    lines included, reads as it did (code keeps its shape). When the last units go, the last
+    kept one ends as the text did (its final newline, if any), not with their separator."""
+    units = unit_spans(text, unit)
     removed = set(spans)
-    kept = [text[s:e] for s, e in unit_spans(text, unit) if (s, e) not in removed]
-    return ("\n" if unit == "line" else "\n\n").join(kept)
+    if not units or not removed.intersection(units):
+        return text
+    starts = [text.rfind("\n", 0, start) + 1 for start, _ in units]
+    ends = [*starts[1:], len(text)]
+    kept = [i for i, span in enumerate(units) if span not in removed]
+    pieces = [text[: starts[0]]]  # blank lines before the first unit
+    for i in kept:
+        pieces.append(text[starts[i] : ends[i]])
+    if kept and kept[-1] != len(units) - 1:  # the text's last units were removed
+        last = kept[-1]
+        pieces[-1] = text[starts[last] : units[last][1]] + text[units[-1][1] :]
+    return "".join(pieces)
 
 
 def attach_spans(item: tuple[str, dict[str, list[Any]]], config: ExactDedupConfig) -> Iterator[Any]:

@@ -118,12 +118,25 @@ def test_paragraph_spans_accept_precomputed_lines():
     assert paragraph_spans(text, line_spans(text)) == paragraph_spans(text)
 
 
-def test_remove_spans_rejoins_what_is_left():
+def test_remove_spans_leaves_the_rest_as_it_was():
     text = "one two three\n\nfour five six\n\nseven eight nine"
     spans = paragraph_spans(text)
     assert remove_spans(text, [spans[1]], "paragraph") == "one two three\n\nseven eight nine"
+    assert remove_spans(text, [spans[2]], "paragraph") == "one two three\n\nfour five six"
     lines = "a b\nc d\ne f"
     assert remove_spans(lines, [line_spans(lines)[0]], "line") == "c d\ne f"
+    # Code keeps its indentation and its blank lines; the text's final newline stays.
+    code = "def f(x):\n    if x:\n        return 1\n\n    return 2\n    shared = 1\n"
+    units = line_spans(code)
+    assert remove_spans(code, [units[1]], "line") == (
+        "def f(x):\n        return 1\n\n    return 2\n    shared = 1\n"
+    )
+    assert remove_spans(code, [units[-1]], "line") == (
+        "def f(x):\n    if x:\n        return 1\n\n    return 2\n"
+    )
+    indented = "  first\n  paragraph\n\n\n  second\n"
+    first, _ = paragraph_spans(indented)
+    assert remove_spans(indented, [first], "paragraph") == "  second\n"
 
 
 def test_ngram_hashes_are_stable_and_position_free():
