@@ -99,6 +99,12 @@ class MixtureLoader:
         eos = {s.eos_id for s in self.stores}
         if len(vocab) != 1 or len(eos) != 1:
             raise ValueError(f"token stores disagree on vocab_size {vocab} or eos_id {eos}")
+        # Two tokenizers of one size agree on both: only the ledger's hash tells them apart,
+        # and mixing them would train on ids that mean different pieces.
+        tokenizers = [s.ledger.tokenizer_sha256 for s in self.stores]
+        if len(set(tokenizers)) != 1:
+            shown = ", ".join(f"data.sources[{i}]: {t[:12]}" for i, t in enumerate(tokenizers))
+            raise ValueError(f"token stores were made with different tokenizers ({shown})")
         self.vocab_size, self.eos_id = vocab.pop(), eos.pop()
 
     @lru_cache(maxsize=4)  # noqa: B019 - a handful of blocks per loader, freed with it

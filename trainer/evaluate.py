@@ -29,6 +29,7 @@ Exit codes: 0 ok, 1 failed, 2 invalid config, task, tokenizer or no checkpoint.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         stores = args.store or ([] if args.tasks else [s.path for s in cfg.data.eval_sources])
         if not stores and not args.tasks:
             raise ConfigError("data.eval_sources", "no held-out store (config or --store)")
-        tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+        tokenizer = _tokenizer(args.tokenizer, cfg) if args.tokenizer else None
         if not 0 <= args.samples <= len(SAMPLE_PROMPTS):
             raise ConfigError("samples", f"must be in [0, {len(SAMPLE_PROMPTS)}]")
         benchmarks = _benchmarks(args, cfg, tokenizer)
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.initialize(cfg.distributed)
         mesh = dist.make_mesh(cfg.mesh)
         opened = [TokenStore.open(p) for p in stores]
+        _check_tokenizers(cfg, opened)
         batch = args.batch_size or cfg.batch_size
         vocab = opened[0].vocab_size if opened else _checkpoint_vocab(cfg, tokenizer)
         params, router_bias, shardings, step = load_params(
@@ -242,12 +244,35 @@ def _write_text(path: str, text: str) -> None:
         f.write(text)
 
 
-def _tokenizer(path: str):
+def _check_tokenizers(cfg: TrainConfig, stores: list[TokenStore]) -> None:
+    """Every store was made with the tokenizer the model was trained on (its ledger's hash
+    against the run's ``config.json``): the same vocabulary size is not the same pieces."""
+    trained = rundir.trained_tokenizer_sha256(cfg.output_dir)
+    for store in stores:
+        if trained and store.ledger.tokenizer_sha256 != trained:
+            raise ConfigError(
+                "store",
+                f"{store.root} was tokenized with {store.ledger.tokenizer_sha256[:12]}, the model "
+                f"was trained on stores of {trained[:12]}: not its tokenizer",
+            )
+
+
+def _tokenizer(path: str, cfg: TrainConfig | None = None):
+    """The sentencepiece model at ``path``; refused when the run's ``config.json`` names
+    another tokenizer (by sha256) for its training stores."""
     import sentencepiece as spm
 
     try:
         with fsspec.open(path, "rb") as f:
-            return spm.SentencePieceProcessor(model_proto=f.read())
+            data = f.read()
+        trained = rundir.trained_tokenizer_sha256(cfg.output_dir) if cfg else None
+        if trained and hashlib.sha256(data).hexdigest() != trained:
+            raise ConfigError(
+                "tokenizer",
+                f"{path} (sha256 {hashlib.sha256(data).hexdigest()[:12]}) is not the tokenizer "
+                f"of the model's training stores ({trained[:12]})",
+            )
+        return spm.SentencePieceProcessor(model_proto=data)
     except FileNotFoundError as e:
         raise ConfigError("tokenizer", f"no sentencepiece model at {path}") from e
     except RuntimeError as e:  # sentencepiece's parse error

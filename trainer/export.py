@@ -135,6 +135,12 @@ def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = N
             data = f.read()
     except FileNotFoundError:
         raise ExportError(f"tokenizer: no file at {tokenizer_path}") from None
+    trained = rundir.trained_tokenizer_sha256(cfg.output_dir)
+    if trained and sha256(data) != trained:
+        raise ExportError(
+            f"tokenizer: {tokenizer_path} (sha256 {sha256(data)[:12]}) is not the tokenizer of "
+            f"the model's training stores ({trained[:12]})"
+        )
     try:
         sp = parse_sentencepiece(data)
         if sp.vocab_size != vocab:

@@ -97,6 +97,12 @@ def trained_vocab_size(output_dir: str) -> int | None:
     return int(vocab) if vocab else None
 
 
+def trained_tokenizer_sha256(output_dir: str) -> str | None:
+    """The sha256 of the tokenizer that made the run's training stores (``config.json``), None
+    before the trainer wrote it, or for a run trained before it was recorded."""
+    return (read_json(join(output_dir, CONFIG)) or {}).get("tokenizer_sha256")
+
+
 def read_result(output_dir: str) -> dict[str, Any] | None:
     return read_json(join(output_dir, RESULT))
 

@@ -394,6 +394,8 @@ def train(cfg: TrainConfig, *, preemption: Preemption | None = None) -> dict[str
                 "config": to_dict(cfg),
                 "model": to_dict(mcfg),
                 "params": n_params,
+                # what evaluation and export check their stores and tokenizer against
+                "tokenizer_sha256": run.loader.stores[0].ledger.tokenizer_sha256,
                 "flops_per_token": fpt,
                 "devices": jax.device_count(),
                 "processes": jax.process_count(),

@@ -79,6 +79,15 @@ def test_evaluate_trained_checkpoint(tmp_path, capsys, monkeypatch):
     assert math.isclose(decoded["bits_per_byte"], r["bits_per_byte"], rel_tol=0.25)
     # no held-out store anywhere: refused before compute
     assert eval_main(["--set", f"output_dir={tmp_path / 'run'}"]) == 2
+    # Another tokenizer of the same size (its pieces mean other text): its store and the
+    # tokenizer itself are refused by the hash the trainer recorded, before compute.
+    other = train_sentencepiece(held_out, 512, str(tmp_path / "other-tok"))
+    write_text_store(str(tmp_path / "other"), held_out, other)
+    capsys.readouterr()
+    assert eval_main([*args, "--store", str(tmp_path / "other")]) == 2
+    assert "was tokenized with" in capsys.readouterr().err
+    assert eval_main([*args, "--tokenizer", other]) == 2
+    assert "is not the tokenizer of the model's training stores" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

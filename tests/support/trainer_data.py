@@ -92,7 +92,13 @@ def write_text_store(root: str, texts: Sequence[str], model_path: str, shards: i
 
 
 def write_random_store(
-    root: str, *, vocab_size: int = 64, num_docs: int = 400, seed: int = 0, shards: int = 2
+    root: str,
+    *,
+    vocab_size: int = 64,
+    num_docs: int = 400,
+    seed: int = 0,
+    shards: int = 2,
+    tokenizer_sha256: str = "synthetic",
 ) -> None:
     """Synthetic documents with a learnable structure (a noisy repeating cycle), EOS = 0."""
     rng = np.random.default_rng(seed)
@@ -110,7 +116,7 @@ def write_random_store(
         for i in range(shards)
     ]
     tokenstore.finalize(
-        root, written, vocab_size=vocab_size, eos_id=0, tokenizer_sha256="synthetic"
+        root, written, vocab_size=vocab_size, eos_id=0, tokenizer_sha256=tokenizer_sha256
     )
 
 

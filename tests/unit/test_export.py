@@ -308,6 +308,21 @@ def test_refuses_vocabulary_mismatch(run, tmp_path, capsys):
     )
 
 
+def test_refuses_a_tokenizer_of_the_same_size_that_did_not_make_the_training_stores(
+    tok, tmp_path, capsys
+):
+    # Same vocabulary size as the checkpoint: only the hash the trainer recorded in the run's
+    # config.json (its training stores' tokenizer) tells the two apart.
+    config, _ = _run(tmp_path)
+    recorded = tmp_path / "run" / "config.json"
+    recorded.write_text(json.dumps({"tokenizer_sha256": "0" * 64}), encoding="utf-8")
+    argv = ["--config", config, "--tokenizer", tok, "--out", str(tmp_path / "hf")]
+    _refused(capsys, argv, "is not the tokenizer of the model's training stores (000000000000)")
+    assert not (tmp_path / "hf").exists()
+    recorded.write_text(json.dumps({"tokenizer_sha256": ex.sha256(Path(tok).read_bytes())}))
+    assert ex.main(argv) == 0
+
+
 def test_refuses_moe_before_reading_anything(tmp_path, tok, capsys):
     config, _ = _run(tmp_path, moe={"num_experts": 4, "top_k": 2})  # no checkpoint at all
     _refused(

@@ -66,3 +66,15 @@ def test_windows_are_real_store_windows_and_epochs_cover_everything(stores):
     assert batch.shape == (8, 33)
     s, st = loader.locate(np.arange(8))
     np.testing.assert_array_equal(batch[0], stores[s[0]].read(int(st[0]), 33))
+
+
+def test_stores_of_two_tokenizers_of_one_size_are_refused(tmp_path, stores):
+    # Same vocab_size and eos_id: only the ledger's tokenizer hash tells them apart.
+    other = str(tmp_path / "other")
+    write_random_store(other, num_docs=50, seed=3, tokenizer_sha256="f" * 64)
+    with pytest.raises(
+        ValueError,
+        match=r"different tokenizers \(data.sources\[0\]: synthetic, "
+        r"data.sources\[1\]: ffffffffffff\)",
+    ):
+        _loader([stores[0], TokenStore.open(other)])
