@@ -376,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             raise GenerateError(f"no prompts in {args.prompts}")
         import sentencepiece as spm
 
-        tokenizer = spm.SentencePieceProcessor(model_proto=model_bytes)
+        try:
+            tokenizer = spm.SentencePieceProcessor(model_proto=model_bytes)
+        except RuntimeError as e:  # sentencepiece's parse error
+            raise GenerateError(f"tokenizer: {args.tokenizer} is not a sentencepiece model") from e
         if tokenizer.vocab_size() != vocab:
             raise GenerateError(
                 f"tokenizer: vocabulary size {tokenizer.vocab_size()} ({args.tokenizer}) does "

@@ -461,3 +461,7 @@ def test_generate_cli(run, tok, tmp_path):
         ids = r["token_ids"][:-1] if r["stopped"] == "eos" else r["token_ids"]
         assert r["completion"] == sp.decode(ids)
     assert gen.main([*args, "--step", "9"]) == 2
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"\x0f\x00garbage")  # a parse error, not a traceback (exit 1)
+    bad = ["--config", config, "--tokenizer", str(garbage), "--prompts", str(prompts)]
+    assert gen.main(bad) == 2
