@@ -178,6 +178,11 @@ def _power_of_two(x: float) -> int:
     return 2 ** max(0, round(math.log2(max(x, 1.0))))
 
 
+def _multiple(batch: int, of: int) -> int:
+    """``batch`` rounded up to a multiple of ``of``: the mesh splits the batch ``of`` ways."""
+    return -(-batch // of) * of
+
+
 class Recipe:
     """What every recipe shares: the optimum's size and the IsoFLOP grid around it."""
 
@@ -253,6 +258,8 @@ class ChinchillaDeepSeek(Recipe):
     max_warmup_steps: int = 2000
     beta2: float = 0.95
     min_lr_ratio: float = 0.1
+    # The launch's data-parallel size: every batch a multiple of it (the trainer's rule).
+    batch_multiple: int = 1
 
     def model_for(self, target_params: float, vocab_size: int, seq_len: int) -> ModelConfig:
         return shape_for_params(target_params, vocab_size, seq_len)
@@ -262,7 +269,7 @@ class ChinchillaDeepSeek(Recipe):
         # The fitted law's batch, a power of two in sequences, at most 1/(8 MIN_STEPS) of
         # the run's tokens so that small budgets still take enough steps.
         seqs = min(batch_tokens(compute) / seq_len, tokens / (8 * MIN_STEPS * seq_len))
-        batch = _power_of_two(seqs)
+        batch = _multiple(_power_of_two(seqs), self.batch_multiple)
         steps = max(1, round(tokens / (batch * seq_len)))
         return _checked(
             RunPlan(
@@ -297,6 +304,8 @@ class Marin2025(Recipe):
     max_hidden: int = 8192
     steps_per_run: int = 2000
     min_batch_size: int = 1
+    # The launch's data-parallel size: every batch a multiple of it (the trainer's rule).
+    batch_multiple: int = 1
 
     def num_layers(self, hidden: int) -> int:
         return max(1, round(hidden / (64 + 4 * math.log2(hidden) - 9)))
@@ -343,6 +352,7 @@ class Marin2025(Recipe):
             and self.learning_rate(batch, model.hidden_dim) > self.max_learning_rate
         ):
             batch //= 2
+        batch = _multiple(batch, self.batch_multiple)
         steps = max(1, round(tokens / (batch * seq_len)))
         return _checked(
             RunPlan(

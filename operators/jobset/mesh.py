@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from functools import cache
+from typing import Any
 
 from operators.jobset.catalogue import SliceShape
 
@@ -106,6 +107,16 @@ def data_parallel_size(mesh: Mapping[str, int]) -> int:
     from trainer.mesh_axes import BATCH_AXES
 
     return math.prod(mesh[axis] for axis in BATCH_AXES)
+
+
+def run_data_parallel_size(params: Mapping[str, Any]) -> int:
+    """The data-parallel size of a run form's training launch: its slices of its topology,
+    laid out by :func:`launch_mesh` for its preset and ``mesh`` override."""
+    from operators.jobset.catalogue import resolve
+
+    shape = resolve(params["accelerator"], params["topology"], int(params["slices"]))
+    mesh = launch_mesh(shape, params.get("model_preset", "nano"), params.get("mesh") or {})
+    return data_parallel_size(resolved(mesh, shape.chips_per_slice))
 
 
 def mesh_args(mesh: Mapping[str, int]) -> tuple[str, ...]:

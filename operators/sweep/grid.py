@@ -33,15 +33,23 @@ SHAPE_KEYS = (
 
 
 def recipe_for(params: Mapping[str, Any]) -> Any:
-    """The form's recipe, with its steps per run where it has that knob (marin-2025)."""
+    """The form's recipe, with its steps per run where it has that knob (marin-2025), and
+    every batch a multiple of the launch's data-parallel size (the trainer refuses another:
+    on 2 x 4x4 v5e a small budget's batch of 8 would fail its cell at start)."""
     import dataclasses
 
+    from operators.jobset import ManifestError
+    from operators.jobset.mesh import MeshError, run_data_parallel_size
     from trainer.recipes import get_recipe
 
     recipe = get_recipe(params["recipe"])
     if hasattr(recipe, "steps_per_run") and params.get("steps_per_run"):
         recipe = dataclasses.replace(recipe, steps_per_run=int(params["steps_per_run"]))
-    return recipe
+    try:
+        dp = run_data_parallel_size(params)
+    except (ManifestError, MeshError):
+        dp = 1  # the form's accelerator fields are refused by validate, naming them
+    return dataclasses.replace(recipe, batch_multiple=dp)
 
 
 def grid_for(params: Mapping[str, Any], vocab_size: int) -> list[dict[str, Any]]:

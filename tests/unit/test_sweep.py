@@ -139,6 +139,23 @@ def test_a_cell_trains_as_the_trainer_validates_and_evaluates_the_metric_stores(
     assert forecast["kind"] == "forecast" and forecast["budget"] == 3e13
 
 
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_cell_batch_splits_over_the_launchs_data_parallel_devices(recipe):
+    # On 2 x 8x8 v5e the trainer splits the batch 128 ways and refuses another batch at its
+    # start: a small budget's batch of 8 or 64 would fail its cell after the data plane.
+    tpu = {"accelerator": "v5e", "topology": "8x8", "slices": 2, "budgets": [1e14, 1e15, 1e16]}
+    params = sweep_params(recipe=recipe, forecast_budgets=[1e17], **tpu)
+    cells = grid_for(params, 8192) + forecast_cells(params, 8192)
+    assert cells and all(c["plan"]["batch_size"] % 128 == 0 for c in cells)
+    assert any(c["plan"]["batch_size"] == 128 for c in cells)  # a batch raised to the devices
+    for c in cells:  # the budget is still spent: the steps follow the larger batch
+        plan = c["plan"]
+        spent = plan["steps"] * plan["batch_size"] * plan["seq_len"] / plan["tokens"]
+        assert spent == pytest.approx(1, rel=0.1)
+    on_cpu = grid_for(sweep_params(recipe=recipe), VOCAB)  # one device: the recipe's own batch
+    assert any(c["plan"]["batch_size"] % 128 for c in on_cpu)
+
+
 def _outcomes(graph, root: str, metric_of) -> list[dict]:
     """Cells whose evaluate steps ran (SUCCESS with ``metric_of(cell)``) or failed (None)."""
     out = []
