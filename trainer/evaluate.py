@@ -298,11 +298,16 @@ def _benchmarks(args, cfg: TrainConfig, tokenizer) -> list[tuple[Task, list[Exam
     if not args.task_data:
         raise ConfigError("task_data", "--tasks needs --task-data (the evaluation sets' folder)")
     trained = rundir.trained_vocab_size(cfg.output_dir)
-    if trained is not None and trained != tokenizer.get_piece_size():
+    pieces = tokenizer.get_piece_size()
+    # A model may have more embedding rows than pieces (model.vocab_size set larger: padding
+    # the trainer allows); never fewer, and a size the config did not ask for is another
+    # tokenizer's.
+    padded = bool(cfg.model.vocab_size) and cfg.model.vocab_size == trained and pieces < trained
+    if trained is not None and trained != pieces and not padded:
         raise ConfigError(
             "tokenizer",
-            f"{args.tokenizer} has {tokenizer.get_piece_size()} pieces but the checkpoint's "
-            f"model was trained with a vocabulary of {trained}: not its tokenizer",
+            f"{args.tokenizer} has {pieces} pieces but the checkpoint's model was trained with "
+            f"a vocabulary of {trained}: not its tokenizer",
         )
     if args.limit < 0:
         raise ConfigError("limit", "must be >= 0")

@@ -143,7 +143,10 @@ def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = N
         )
     try:
         sp = parse_sentencepiece(data)
-        if sp.vocab_size != vocab:
+        # More rows than pieces only where the config asked for them (model.vocab_size set
+        # larger than the tokenizer's: padding, which a Hugging Face config also allows).
+        padded = cfg.model.vocab_size == vocab and sp.vocab_size < vocab
+        if sp.vocab_size != vocab and not padded:
             raise ExportError(
                 f"tokenizer: vocabulary size {sp.vocab_size} ({tokenizer_path}) does not match "
                 f"the checkpoint's {vocab} embedding rows ({checkpoint}): not the run's tokenizer"

@@ -296,6 +296,11 @@ def test_entrypoint_refusals(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "has 400 pieces but the checkpoint's model was trained with a vocabulary of 512" in err
+    # The same 512 rows asked for by the config (model.vocab_size: padding over 400 pieces)
+    # are the run's own: the tokenizer passes, and the next refusal is the missing data.
+    padded = ["--config", str(other), "--set", "model.vocab_size=512", "--tokenizer", tok]
+    assert eval_main([*padded, "--task-data", str(tmp_path / "none"), "--tasks", "piqa"]) == 2
+    assert "no evaluation set at" in capsys.readouterr().err
 
     _write_set(
         tmp_path / "sets",

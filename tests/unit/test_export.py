@@ -323,6 +323,18 @@ def test_refuses_a_tokenizer_of_the_same_size_that_did_not_make_the_training_sto
     assert ex.main(argv) == 0
 
 
+def test_a_model_padded_past_its_tokenizer_exports(tok, tmp_path, capsys):
+    # model.vocab_size set larger than the tokenizer (padding rows, which the trainer allows):
+    # the export keeps every row; a size the config did not ask for is still refused.
+    config, _ = _run(tmp_path, vocab_size=VOCAB + 64)
+    out = tmp_path / "hf"
+    assert ex.main(["--config", config, "--tokenizer", tok, "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB + 64
+    unpadded = ["--set", "model.vocab_size=0"]
+    argv = ["--config", config, *unpadded, "--tokenizer", tok, "--out", str(tmp_path / "x")]
+    _refused(capsys, argv, f"checkpoint's {VOCAB + 64} embedding rows")
+
+
 def test_refuses_moe_before_reading_anything(tmp_path, tok, capsys):
     config, _ = _run(tmp_path, moe={"num_experts": 4, "top_k": 2})  # no checkpoint at all
     _refused(
