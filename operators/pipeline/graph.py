@@ -28,7 +28,7 @@ from typing import Any
 from operators.pipeline import DOCUMENT_STAGES, definition
 from operators.settings import data_dir
 from operators.steps import Step, join, output_of
-from trainer.tasks import TASKS
+from trainer.tasks import TASK_NAMES, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,10 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
         "samples": EVAL_SAMPLES,
     }
     evaluate_how: dict[str, Any] = {"backend": params["backend"], "image": params["image"]}
-    tasks = list(params.get("eval_tasks") or [])
+    # In the catalogue's order, not the form's: the same tasks listed in another order are
+    # the same evaluation (a cache hit), and the defaults are already in that order.
+    chosen = set(params.get("eval_tasks") or [])
+    tasks = [t for t in TASK_NAMES if t in chosen]
     if tasks:
         # benchmarks (trainer/tasks.py): the sets they read enter the version by content, the
         # folder they are read from does not

@@ -737,3 +737,12 @@ def test_an_eval_set_a_benchmark_needs_makes_eval_missing(params, tmp_path):
     (Path(params["data_dir"]) / "eval" / "piqa.jsonl.gz").unlink()
     assert missing_corpora(params) == ["eval"]
     assert missing_corpora({**params, "eval_tasks": ["lambada_openai"]}) == []
+
+
+def test_the_same_benchmarks_in_another_order_are_the_same_evaluation(params):
+    from operators.pipeline.graph import build_graph
+
+    forward = build_graph(params).evaluate
+    backward = build_graph({**params, "eval_tasks": list(reversed(params["eval_tasks"]))})
+    assert backward.evaluate.key == forward.key
+    assert list(forward.config["tasks"]) == ["piqa", "lambada_openai"]  # the catalogue's order
