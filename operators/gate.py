@@ -20,6 +20,7 @@ cached answer could be wrong. It is recorded in lineage like every task, whateve
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -149,7 +150,10 @@ class GateOperator(StepLineageMixin, BaseOperator):
                 self._remember_io(
                     [resolve_uri(ref.uri, root) for ref in trained], [p.model_uri(name)]
                 )
-                metrics = p.Metrics.from_evaluation(evaluation)
+                metrics = dataclasses.replace(
+                    p.Metrics.from_evaluation(evaluation),
+                    measured=p.measurements(self.step_graph(context).evaluate.config),
+                )
                 baseline = p.current_promotion(store, name, exclude_run=run_id)
                 if baseline is not None:
                     store.link(

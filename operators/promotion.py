@@ -104,6 +104,9 @@ class Metrics:
     bits_per_byte: Mapping[str, float] = field(default_factory=dict)
     accuracy: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
+    # What each metric was measured on (:func:`measurements`): two values of one name compare
+    # only when this is the same. Empty in promotions recorded before it was kept.
+    measured: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_evaluation(cls, evaluation: Mapping[str, Any]) -> Metrics:
@@ -140,6 +143,7 @@ class Metrics:
             "mean_bits_per_byte": self.mean_bits_per_byte,
             "accuracy": dict(self.accuracy),
             "missing": list(self.missing),
+            "measured": dict(self.measured),
         }
 
     @classmethod
@@ -148,7 +152,29 @@ class Metrics:
             {k: float(v) for k, v in (body.get("bits_per_byte") or {}).items() if _finite(v)},
             {k: float(v) for k, v in (body.get("accuracy") or {}).items() if _finite(v)},
             tuple(body.get("missing") or ()),
+            dict(body.get("measured") or {}),
         )
+
+
+def measurements(evaluate_config: Mapping[str, Any]) -> dict[str, str]:
+    """What each metric of an evaluation was measured on, from its evaluate step's config: a
+    held-out store's bits/byte on that token store (its step, hence its text and tokenizer)
+    and ``max_tokens`` of it; a task's accuracy on its evaluation set (content id) and
+    ``task_limit`` examples of it."""
+    from trainer.tasks import TASKS
+
+    out: dict[str, str] = {}
+    limit = f"max_tokens={evaluate_config.get('max_tokens')}"
+    for name, ref in (evaluate_config.get("stores") or {}).items():
+        where = getattr(getattr(ref, "step", None), "key", None) or str(ref)
+        out[name] = f"{where} {limit}"
+    sets = evaluate_config.get("task_sets") or {}
+    for task in evaluate_config.get("tasks") or ():
+        content = str(sets.get(TASKS[task].eval_set) or "?")
+        out[task] = (
+            f"{content.removeprefix('sha256:')[:12]} limit={evaluate_config.get('task_limit')}"
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -339,9 +365,29 @@ def _regression_checks(margin: float, metrics: Metrics, baseline: Promotion | No
         ]
     before = baseline.metrics
     checks: list[Check] = []
+
+    def other_data(name: str) -> Check | None:
+        """A failing row where the two values of ``name`` were measured on different data
+        (another held-out text, tokenizer, max_tokens, task set or limit): not comparable."""
+        now, was = metrics.measured.get(name), before.measured.get(name)
+        if now is None or was is None or now == was:
+            return None  # the same, or not recorded (a promotion from before it was kept)
+        store = name.startswith(HELDOUT_PREFIX)
+        return Check(
+            f"{name} {'bits/byte' if store else 'acc'} vs promoted",
+            "<=" if store else ">=",
+            None,
+            None,
+            False,
+            f"not comparable: measured on {now}, the promoted model on {was}",
+        )
+
     # Per store and per task, over those both have: a mean over different sources (another
     # mixture) would compare different things.
     for store in sorted(set(metrics.bits_per_byte) & set(before.bits_per_byte)):
+        if (refused := other_data(store)) is not None:
+            checks.append(refused)
+            continue
         was, now = before.bits_per_byte[store], metrics.bits_per_byte[store]
         limit = was + margin
         checks.append(
@@ -355,6 +401,9 @@ def _regression_checks(margin: float, metrics: Metrics, baseline: Promotion | No
             )
         )
     for task in sorted(set(metrics.accuracy) & set(before.accuracy)):
+        if (refused := other_data(task)) is not None:
+            checks.append(refused)
+            continue
         was, now = before.accuracy[task], metrics.accuracy[task]
         limit = was - margin
         checks.append(
@@ -409,7 +458,12 @@ def _worse_than(metrics: Metrics, baseline: Promotion | None) -> str | None:
     if baseline is None:
         return None
     before = baseline.metrics.bits_per_byte
-    shared = sorted(set(metrics.bits_per_byte) & set(before))
+    was_on, now_on = baseline.metrics.measured, metrics.measured
+    shared = sorted(
+        s
+        for s in set(metrics.bits_per_byte) & set(before)
+        if s not in was_on or s not in now_on or was_on[s] == now_on[s]  # the same data
+    )
     if not shared:
         return None
     now = sum(metrics.bits_per_byte[s] for s in shared) / len(shared)

@@ -418,3 +418,29 @@ def test_a_gate_with_nothing_to_judge_fails_recorded(home, params):
     with _lineage(home) as store:
         (gate,) = store.executions("run-n")
         assert str(gate.state) == "FAILED" and "GateFailed" in gate.error
+
+
+def test_a_metric_measured_on_other_data_is_not_compared_with_the_promoted_one(home, params):
+    # run-1 promoted with accuracy over 10 piqa examples; run-2 scores 20. The same name is
+    # not the same measurement: the regression check refuses to compare them, naming both.
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from operators.gate import GateOperator
+
+    first = _context(params, "run-1", evaluation(benchmarks={"piqa": 0.6}))
+    GateOperator().execute(first)
+    form = {"gate_max_regression": 0.05, "eval_task_limit": 20}
+    second = _context(params, "run-2", evaluation(benchmarks={"piqa": 0.9}), **form)
+    with pytest.raises(AirflowFailException) as err:
+        GateOperator().execute(second)
+    message = str(err.value)
+    assert "piqa acc vs promoted" in message and "not comparable" in message
+    assert "limit=20, the promoted model on" in message and "limit=10" in message
+    # the held-out stores were measured on the same data: compared as before
+    assert "heldout-brown bits/byte vs promoted" in message
+    with _lineage(home) as store:
+        assert current_promotion(store, "slipway-demo").run_id == "run-1"
+        measured = current_promotion(store, "slipway-demo").metrics.measured
+        assert (
+            measured["piqa"].endswith("limit=10") and "max_tokens=512" in measured["heldout-brown"]
+        )
