@@ -136,12 +136,15 @@ def gke_launch_options(spec: StepSpec, params: Mapping[str, Any]) -> dict[str, A
     """Namespace, Workload-Identity service account, Kueue queue and the step labels that let
     a resubmission recognise its own JobSet (same name, same step version: adopt it)."""
     from operators.jobset.gke import STEP_LABEL, STEP_VERSION_LABEL
+    from operators.jobset.names import label_safe
     from operators.pipeline.form import gke_cluster
 
     gke = dict(params.get("gke") or {})
     options: dict[str, Any] = {
         "namespace": gke_cluster(params).get("namespace", "default"),
-        "labels": {STEP_LABEL: spec.name, STEP_VERSION_LABEL: spec.version[:63]},
+        # The step's name for people reading the JobSet (a sweep cell's has slashes); the
+        # adoption of a resubmitted JobSet goes by its name and version, not by this.
+        "labels": {STEP_LABEL: label_safe(spec.name), STEP_VERSION_LABEL: spec.version[:63]},
     }
     for key in ("service_account", "queue"):
         if gke.get(key):

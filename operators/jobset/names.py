@@ -81,6 +81,14 @@ def check_label_value(value: object, what: str = "label value") -> str:
     return value
 
 
+def label_safe(text: str) -> str:
+    """``text`` as a label value: each character a label value may not hold becomes '.', cut
+    to 63 characters, and trimmed to start and end with a letter or digit (a step name such as
+    ``sweep/train/C1e16-N1.2M-s0`` has slashes, which no label value may)."""
+    value = re.sub(r"[^A-Za-z0-9_.-]", ".", text)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+
+
 def check_labels(labels: Mapping[str, str], reserved: Iterable[str] = ()) -> dict[str, str]:
     """Validate user labels; ``reserved`` prefixes belong to JobSet/Kueue/Slipway."""
     out: dict[str, str] = {}

@@ -538,3 +538,31 @@ def test_a_batch_the_mesh_cannot_split_is_refused_before_the_run(form, dp):
     )
     assert data_parallel_size(mesh) == dp
     assert math.prod(mesh.values()) == shape.chips_per_slice * shape.slices
+
+
+def test_a_sweep_cells_jobset_renders_with_its_step_named_in_a_label(monkeypatch):
+    """A sweep cell's step name has slashes, which no label value may hold: its gke launch
+    once failed at submit (every cell of a gke sweep night)."""
+    from operators.jobset.gke import STEP_LABEL
+    from operators.launching import gke_launch_options, trainer_launch
+    from operators.steps import Step, resolve
+
+    monkeypatch.setenv("SLIPWAY_TRAINER_IMAGE", "us-docker.pkg.dev/proj/slipway/trainer:1")
+    monkeypatch.setenv("SLIPWAY_TRAINING_NAMESPACE", "slipway-training")
+    params = _run_form(
+        backend="gke",
+        accelerator="v5e",
+        topology="2x2",
+        batch_size=16,
+        image="us-docker.pkg.dev/proj/slipway/trainer:abc123",
+    )
+    name = "sweep/train/C1e16-N" + "1234567" * 9 + "-s0"  # long, too: cut to 63
+    spec = resolve(Step(name, {"seed": 0}, unversioned={"backend": "gke"}), "/steps")
+    options = gke_launch_options(spec, params)
+    manifest = trainer_launch(
+        "slipway-train-12345678", params, config_uri="gs://b/c.json", **options
+    ).render()
+    assert crd_errors(manifest) == []
+    label = manifest["metadata"]["labels"][STEP_LABEL]
+    assert label.startswith("sweep.train.C1e16-N1234567") and len(label) <= 63
+    assert label[-1].isalnum()
