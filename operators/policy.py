@@ -15,7 +15,11 @@ variable                                   what it adds to the platform's own va
                                            could be named)
 ``SLIPWAY_ALLOWED_NAMESPACES``             ``gke.namespace`` (``$SLIPWAY_TRAINING_NAMESPACE``)
 ``SLIPWAY_ALLOWED_SERVICE_ACCOUNTS``       ``gke.service_account``
-                                           (``$SLIPWAY_TRAINER_SERVICE_ACCOUNT``)
+                                           (``$SLIPWAY_TRAINER_SERVICE_ACCOUNT``); where the
+                                           platform has any, a gke run must name one
+``SLIPWAY_ALLOWED_KUEUE_QUEUES``           ``gke.queue`` (``$SLIPWAY_KUEUE_QUEUE``); where the
+                                           platform has any, a gke run must name one: a
+                                           JobSet without the label bypasses Kueue's quota
 ``SLIPWAY_ALLOWED_DATAFLOW_SERVICE_ACCOUNTS`` ``dataflow.service_account``
                                            (``$SLIPWAY_DATAFLOW_SERVICE_ACCOUNT``)
 ``SLIPWAY_ALLOWED_IMAGES``                 the trainer ``image`` of a gke run and
@@ -64,6 +68,7 @@ ALLOW_ENV = {
     "kubeconfigs": "SLIPWAY_ALLOWED_KUBECONFIGS",
     "namespaces": "SLIPWAY_ALLOWED_NAMESPACES",
     "service_accounts": "SLIPWAY_ALLOWED_SERVICE_ACCOUNTS",
+    "kueue_queues": "SLIPWAY_ALLOWED_KUEUE_QUEUES",
     "dataflow_service_accounts": "SLIPWAY_ALLOWED_DATAFLOW_SERVICE_ACCOUNTS",
     "images": "SLIPWAY_ALLOWED_IMAGES",
     "gke_clusters": "SLIPWAY_ALLOWED_GKE_CLUSTERS",
@@ -74,6 +79,7 @@ ALLOW_ENV = {
 _PLATFORM_VALUE_ENV = {
     "namespaces": ("SLIPWAY_TRAINING_NAMESPACE",),
     "service_accounts": ("SLIPWAY_TRAINER_SERVICE_ACCOUNT",),
+    "kueue_queues": ("SLIPWAY_KUEUE_QUEUE",),
     "dataflow_service_accounts": ("SLIPWAY_DATAFLOW_SERVICE_ACCOUNT",),
     "images": ("SLIPWAY_TRAINER_IMAGE", "SLIPWAY_DATAFLOW_SDK_CONTAINER_IMAGE"),
     "dataflow_projects": ("SLIPWAY_DATAFLOW_PROJECT_ID",),
@@ -98,6 +104,7 @@ class RunPolicy:
     kubeconfigs: tuple[str, ...] = ()
     namespaces: tuple[str, ...] = ()
     service_accounts: tuple[str, ...] = ()
+    kueue_queues: tuple[str, ...] = ()
     dataflow_service_accounts: tuple[str, ...] = ()
     images: tuple[str, ...] = ()  # repositories, or prefixes ending in "/"
     gke_clusters: tuple[str, ...] = ()  # "<location>/<name>" or "<project>/<location>/<name>"
@@ -179,11 +186,24 @@ class RunPolicy:
                 ("kubeconfig", "kubeconfigs"),
                 ("namespace", "namespaces"),
                 ("service_account", "service_accounts"),
+                ("queue", "kueue_queues"),
             )
             for key, field in checks:
                 listed("gke", gke, key, field)
             if gke.get("namespace") in (None, ""):  # never Kubernetes' "default" by omission
                 out.append("gke.namespace: a gke run names its training namespace")
+            # A gke object given in full replaces the pre-filled one: leaving these out must
+            # not run the pods as the namespace's default account, or around Kueue's quota.
+            for key, field, what in (
+                ("service_account", "service_accounts", "its trainer service account"),
+                ("queue", "kueue_queues", "its Kueue queue (TPU quota)"),
+            ):
+                allowed = getattr(self, field)
+                if allowed and gke.get(key) in (None, ""):
+                    out.append(
+                        f"gke.{key}: a gke run on this platform names {what}: one of "
+                        f"{', '.join(allowed)}"
+                    )
             if gke.get("cluster_name") not in (None, ""):
                 where = f"{gke.get('location') or ''}/{gke['cluster_name']}"
                 if gke.get("project_id"):

@@ -277,6 +277,9 @@ def _pod_spec(spec: TrainingLaunch) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
+        # The trainer talks to GCS through Workload Identity, never to the Kubernetes API:
+        # no API token in the pod, whichever account it runs as.
+        "automountServiceAccountToken": False,
     }
     if spec.service_account:
         pod["serviceAccountName"] = spec.service_account

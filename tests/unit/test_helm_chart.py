@@ -1050,3 +1050,38 @@ def test_run_policy_values_become_the_allow_lists(monkeypatch: pytest.MonkeyPatc
     )
     with pytest.raises(RunConfigError, match=r"gke\.namespace 'kube-system' is not allowed"):
         check_run_config({**values, "gke": {**values["gke"], "namespace": "kube-system"}})
+
+
+def test_a_gke_run_keeps_the_platforms_identity_and_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run form's gke object replaces the pre-filled one whole: leaving out the service
+    account or the Kueue queue must be refused, not run the pods as the namespace's default
+    account around the TPU quota; another queue only where runPolicy lists it."""
+    from airflow.sdk.definitions.param import ParamsDict
+
+    from operators.params import pipeline_params
+    from operators.pipeline.form import RunConfigError, check_run_config
+
+    data = config_of(
+        render(
+            "production",
+            kueue={"enabled": True, "clusterScoped": {"create": False}},
+            runPolicy={"kueueQueues": ["research-queue"]},
+        )
+    )
+    assert data["SLIPWAY_ALLOWED_KUEUE_QUEUES"] == "research-queue"
+    for name in [n for n in os.environ if n.startswith("SLIPWAY_")]:
+        monkeypatch.delenv(name)
+    for name, value in _env_of(data).items():
+        monkeypatch.setenv(name, value)
+    values = ParamsDict(pipeline_params()).validate()
+    gke = values["gke"]
+    check_run_config(values)
+    check_run_config({**values, "gke": {**gke, "queue": "research-queue"}})
+    with pytest.raises(RunConfigError, match=r"gke\.queue 'other' is not allowed"):
+        check_run_config({**values, "gke": {**gke, "queue": "other"}})
+    alone = {"namespace": gke["namespace"]}  # the whole object replaced by a trigger's conf
+    with pytest.raises(RunConfigError) as refused:
+        check_run_config({**values, "gke": alone})
+    assert "gke.service_account: a gke run on this platform names its trainer" in str(refused.value)
+    queue_needed = "gke.queue: a gke run on this platform names its Kueue queue (TPU quota)"
+    assert f"{queue_needed}: one of research-queue, {gke['queue']}" in str(refused.value)

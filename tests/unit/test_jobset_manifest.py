@@ -215,6 +215,7 @@ def test_tpu_manifest_shape(slices):
     ]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["serviceAccountName"] == "slipway-trainer"
+    assert pod["automountServiceAccountToken"] is False  # no Kubernetes API token in a pod
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 1000
     (c,) = pod["containers"]

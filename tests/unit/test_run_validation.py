@@ -230,7 +230,13 @@ def test_every_string_default_is_filled_in(dag):
     assert empty == []
 
 
-GKE = {"namespace": "slipway-training", "cluster_name": "tpu", "location": "us-east5"}
+# the platform's namespace and service account (gke_platform), and a cluster it lists
+GKE = {
+    "namespace": "slipway-training",
+    "service_account": "slipway-trainer",
+    "cluster_name": "tpu",
+    "location": "us-east5",
+}
 IMAGE = "us-docker.pkg.dev/proj/slipway/slipway-trainer:1"
 
 
@@ -304,7 +310,11 @@ def test_a_kubeconfig_must_be_one_the_platform_lists(dag, gke_platform, tmp_path
         dag,
         backend="gke",
         image=IMAGE,
-        gke={"namespace": "slipway-training", "kubeconfig": kubeconfig},
+        gke={
+            "namespace": "slipway-training",
+            "service_account": "slipway-trainer",
+            "kubeconfig": kubeconfig,
+        },
     )
     message = _refused(values)
     assert f"gke.kubeconfig {kubeconfig!r} is not allowed" in message
@@ -429,7 +439,12 @@ def test_a_kube_context_needs_an_allowed_kubeconfig(dag, gke_platform, tmp_path)
             dag,
             backend="gke",
             image=IMAGE,
-            gke={"namespace": "slipway-training", "kubeconfig": kubeconfig, "context": "training"},
+            gke={
+                "namespace": "slipway-training",
+                "service_account": "slipway-trainer",
+                "kubeconfig": kubeconfig,
+                "context": "training",
+            },
         )
     )
 
