@@ -128,9 +128,19 @@ def add_estimates(cells: list[dict[str, Any]], params: Mapping[str, Any]) -> flo
     return peak
 
 
+def budget_text(budget: float) -> str:
+    """The budget in as few significant digits as say it exactly: ``3e11``, ``1.5e12`` (one
+    digit alone made 1.5e12 and 2e12 one name, and two cells one lineage step)."""
+    for digits in range(17):
+        text = f"{budget:.{digits}e}"
+        if float(text) == budget:
+            break
+    return text.replace("+", "")  # as the one-digit names always were: 3e11, 1e08
+
+
 def cell_slug(cell: Mapping[str, Any]) -> str:
     plan = cell["plan"]
-    return f"C{cell['budget']:.0e}-N{plan['non_embedding_params']}-s{cell['seed']}".replace("+", "")
+    return f"C{budget_text(cell['budget'])}-N{plan['non_embedding_params']}-s{cell['seed']}"
 
 
 def cell_train_step(cell: Mapping[str, Any], graph: Any) -> Step:

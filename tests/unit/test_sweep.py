@@ -511,3 +511,15 @@ def test_a_schedule_is_the_platforms(monkeypatch, value, expected):
     else:
         monkeypatch.setenv("SLIPWAY_SWEEP_SCHEDULE", value)
     assert schedule_from_env("SLIPWAY_SWEEP_SCHEDULE", "0 2 * * *") == expected
+
+
+def test_cells_of_budgets_one_digit_cannot_tell_apart_have_their_own_steps(graph):
+    # 1.5e12 once read 2e12: two cells of one size got one step name, and lineage (which
+    # groups a run's executions by name) took the one's failure for the other's success.
+    cells = grid_for(sweep_params(budgets=[1e12, 1.5e12, 2e12]), VOCAB)
+    names = [cell_train_step(c, graph).name for c in cells]
+    assert len(set(names)) == len(names)
+    assert any(name.startswith("sweep/train/C1.5e12-") for name in names)
+    # the names of budgets one digit says exactly are those of every earlier night
+    (first, *_) = grid_for(sweep_params(), VOCAB)
+    assert cell_train_step(first, graph).name.startswith("sweep/train/C3e11-N")
