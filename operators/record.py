@@ -110,6 +110,11 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             )
         return summary
 
+    def _task_order(self) -> list[str]:
+        """The DAG's task ids in the order it defines them (the pipeline's order)."""
+        dag = self.dag if self.has_dag() else None
+        return list(dag.task_dict) if dag is not None else []
+
     def _train_still_ending(self, ex: Any) -> bool:
         """A training task killed from the UI (closed by the listener) whose process is still
         ending: it has not recorded where training resumes, and it still holds the step's
@@ -225,7 +230,7 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             gate = self._gate(executions, task_states)
             if gate["state"] in ("FAILED", "CANCELED"):
                 failed.append({"step": "gate", "error": gate["error"]})
-            failed = settle_failures(failed, task_states, graph_error)
+            failed = settle_failures(failed, task_states, graph_error, order=self._task_order())
             train = next((s for s in steps if s.name == "train"), None)
             resume = None
             if train is not None and "train" not in [s.split("-")[0] for s in skip]:

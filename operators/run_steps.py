@@ -7,6 +7,7 @@ else runs again. Airflow-free: lineage executions and step markers only.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 
@@ -58,17 +59,44 @@ def step_states(
 
 
 def settle_failures(
-    failed: list[dict[str, Any]], task_states: dict[str, str], graph_error: str | None
+    failed: list[dict[str, Any]],
+    task_states: dict[str, str],
+    graph_error: str | None,
+    *,
+    order: Sequence[str] = (),
+    own: Collection[str] = (),
 ) -> list[dict[str, Any]]:
-    """``failed`` as the summary states it: when no execution said what failed, the first
-    task Airflow has failed (or upstream_failed), else why the step graph could not be built
-    (the corpora are missing: ``fetch`` failed)."""
-    if not failed:
-        failed_tasks = sorted(
-            t for t, s in task_states.items() if s in ("failed", "upstream_failed")
-        )
-        if failed_tasks:
-            return [{"step": failed_tasks[0], "error": f"task {task_states[failed_tasks[0]]}"}]
-        if graph_error:
-            return [{"step": "fetch", "error": graph_error}]
+    """``failed`` as the summary states it. When no execution said what failed (none, or only
+    the summary's writer ``own``, e.g. the sweep's ``check`` saying the night is incomplete),
+    the first task Airflow has failed comes first: a task that ``failed`` before any that is
+    only ``upstream_failed``, then in the DAG's ``order`` (its task ids), mapped instances by
+    index; else why the step graph could not be built (the corpora are missing: ``fetch``
+    failed)."""
+    if any(f["step"] not in own for f in failed):
+        return failed
+    first = first_failed_task(task_states, order)
+    if first is not None:
+        return [{"step": first, "error": f"task {task_states[first]}"}, *failed]
+    if graph_error:
+        return [{"step": "fetch", "error": graph_error}, *failed]
     return failed
+
+
+def first_failed_task(task_states: Mapping[str, str], order: Sequence[str] = ()) -> str | None:
+    """The task instance (``<task>`` or a mapped ``<task>_<index>``) that failed first in the
+    DAG's ``order``, preferring ``failed`` to ``upstream_failed`` (never the cause)."""
+    position = {task: i for i, task in enumerate(order)}
+
+    def rank(name: str) -> tuple[int, int, int, str]:
+        base, _, index = name.rpartition("_")
+        mapped = bool(base) and index.isdigit() and base in position
+        task = base if mapped else name
+        return (
+            0 if task_states[name] == "failed" else 1,
+            position.get(task, len(position)),
+            int(index) if mapped else -1,
+            name,
+        )
+
+    candidates = [t for t, s in task_states.items() if s in ("failed", "upstream_failed")]
+    return min(candidates, key=rank) if candidates else None

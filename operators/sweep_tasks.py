@@ -493,6 +493,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
             task_states=task_states,
             closed=closed,
             graph_error=graph_error,
+            order=list(self.dag.task_dict) if self.has_dag() else [],
         )
         path = write_run_file(run_id, "summary.json", summary)
         store.record_output(execution, path, "run_summary", properties=summary)

@@ -81,8 +81,10 @@ def night_summary(
     task_states: Mapping[str, str],
     closed: Mapping[str, int],
     graph_error: str | None = None,
+    order: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The summary, in the shape of ``record``'s without the gate.
+    """The summary, in the shape of ``record``'s without the gate. ``order``: the DAG's task
+    ids, in which the first failed task is named when no step says what failed.
 
     ``latest``: the last attempt of each execution in the run (``run_steps.latest_attempts``);
     ``graph``: the run's step graph (None when it could not be built: ``graph_error`` says why);
@@ -96,7 +98,7 @@ def night_summary(
     failed += step_failed
     if incomplete:
         failed.append({"step": "check", "error": incomplete})
-    failed = settle_failures(failed, dict(task_states), graph_error)
+    failed = settle_failures(failed, dict(task_states), graph_error, order=order, own={"check"})
     return {
         "run_id": run_id,
         "pipeline": pipeline,
