@@ -112,22 +112,31 @@ def render_night(run_id: str, record: Mapping[str, Any] | None, checks: Sequence
 
 
 def render_forecasts(runs: Sequence[Any]) -> str:
-    """Every night's forecasts and their outcomes, oldest first: the forecast record."""
-    rows = []
+    """Every forecast and its outcome, oldest first: the forecast record. A pre-registration
+    is listed once, under the night that made it, with its first check that has an outcome:
+    a later night that keeps it (the same grid, so the same fit) is not another forecast."""
+    first: dict[str, tuple[str, Mapping[str, Any], Mapping[str, Any]]] = {}
     for run in sorted((r for r in runs if r.pipeline == SWEEP_DAG), key=lambda r: r.started_at):
         record, checks = read_night(run.run_id)
         by_sha = {c["sha256"]: c for c in checks}
         for forecast in (record or {}).get("forecasts") or []:
             check = by_sha.get(forecast["sha256"]) or {}
-            predicted = check.get("predicted")
-            rows.append(
-                f"{run.run_id:<48} C={forecast['cell']['budget']:<9.3g} "
-                + (
-                    f"predicted {predicted:.4f} outcome {check['outcome']:.4f} "
-                    f"error {check['relative_error']:+.2%} "
-                    f"{ {True: 'inside', False: 'outside', None: 'no interval'}[check['inside_interval']] }"
-                    if check.get("checked")
-                    else "not checked"
-                )
+            kept = first.get(forecast["sha256"])
+            if kept is None:
+                first[forecast["sha256"]] = (run.run_id, forecast, check)
+            elif not kept[2].get("checked") and check.get("checked"):
+                first[forecast["sha256"]] = (kept[0], kept[1], check)
+    rows = []
+    for run_id, forecast, check in first.values():
+        predicted = check.get("predicted")
+        rows.append(
+            f"{run_id:<48} C={forecast['cell']['budget']:<9.3g} "
+            + (
+                f"predicted {predicted:.4f} outcome {check['outcome']:.4f} "
+                f"error {check['relative_error']:+.2%} "
+                f"{ {True: 'inside', False: 'outside', None: 'no interval'}[check['inside_interval']] }"
+                if check.get("checked")
+                else "not checked"
             )
+        )
     return "\n".join(rows) if rows else "no forecasts recorded"

@@ -523,3 +523,37 @@ def test_cells_of_budgets_one_digit_cannot_tell_apart_have_their_own_steps(graph
     # the names of budgets one digit says exactly are those of every earlier night
     (first, *_) = grid_for(sweep_params(), VOCAB)
     assert cell_train_step(first, graph).name.startswith("sweep/train/C3e11-N")
+
+
+def test_the_forecast_record_lists_each_pre_registration_once(tmp_path, monkeypatch):
+    # Night 2 keeps night 1's registration (the same grid, the same fit) and checks it:
+    # one forecast, under the night that made it, with its outcome; night 3's is a new one.
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from operators.settings import run_folder
+    from operators.sweep.report import SWEEP_DAG, render_forecasts
+
+    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path))
+    cell = {"cell": {"budget": 3e13}}
+    outcome = {"checked": True, "predicted": 3.2, "outcome": 3.1, "relative_error": -0.03}
+    nights = {
+        "night-1": ([{"sha256": "a", **cell}], [{"sha256": "a", "checked": False}]),
+        "night-2": (
+            [{"sha256": "a", **cell}],
+            [{"sha256": "a", **outcome, "inside_interval": True}],
+        ),
+        "night-3": ([{"sha256": "b", **cell}], []),
+    }
+    runs = []
+    for day, (run_id, (forecasts, checks)) in enumerate(nights.items(), start=1):
+        folder = Path(run_folder(run_id))
+        folder.mkdir(parents=True)
+        (folder / "sweep.json").write_text(json.dumps({"forecasts": forecasts}))
+        (folder / "forecast_checks.json").write_text(json.dumps(checks))
+        started = datetime(2026, 12, day, 2, tzinfo=UTC)
+        runs.append(SimpleNamespace(run_id=run_id, pipeline=SWEEP_DAG, started_at=started))
+    lines = render_forecasts(runs).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("night-1") and "outcome 3.1000 error -3.00% inside" in lines[0]
+    assert lines[1].startswith("night-3") and lines[1].endswith("not checked")
