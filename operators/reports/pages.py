@@ -618,11 +618,15 @@ def sweeps_page(runs: Sequence[RunSummary], base: str, night_id: str | None = No
         raise NotFound(f"no {SWEEP_DAG} night {night_id!r} recorded")
     # Tonight's night may be queued or early on: the last results are what a reader came for.
     night = night or next((n for n in nights if n.report), nights[0] if nights else None)
-    forecasts = [
-        {"night": n.run.run_id, "f": f}
-        for n in sorted(nights, key=lambda n: n.run.started_at)
-        for f in (n.report or {}).get("forecasts") or []
-    ]
+    # Each pre-registration once, under the night that made it, with its first outcome: a
+    # later night that keeps it (the same grid, the same fit) lists it again in its report.
+    kept: dict[str, dict[str, Any]] = {}
+    for n in sorted(nights, key=lambda n: n.run.started_at):
+        for f in (n.report or {}).get("forecasts") or []:
+            row = kept.setdefault(f["sha256"], {"night": n.run.run_id, "f": f})
+            if not row["f"].get("checked") and f.get("checked"):
+                row["f"] = f
+    forecasts = list(kept.values())
     return _render(
         "sweeps.html",
         base,

@@ -1112,3 +1112,38 @@ def test_the_reports_benchmark_still_runs():
     assert "GET / (12 runs)" in done.stdout and "runs list with 12 runs:" in done.stdout
     # it times the pages alone: no failing read of an Airflow database it does not have
     assert "could not be read" not in done.stdout + done.stderr, done.stderr[-3000:]
+
+
+def test_the_sweeps_page_lists_a_kept_pre_registration_once(client, store, monkeypatch, tmp_path):
+    """A night that keeps the last night's pre-registration (the same grid and fit) lists it
+    again in its report: the forecasts table shows it once, under the night that made it,
+    with the outcome a later night checked."""
+    from operators import ui
+
+    def forecast(checked: bool) -> dict:
+        return {
+            "budget": 3e13,
+            "label": "forecast C=3e+13",
+            "fit": "approach3",
+            "sha256": "ab" * 32,
+            "predicted": 3.2,
+            "interval": [3.0, 3.4],
+            "checked": checked,
+            "outcome": 3.1 if checked else None,
+            "relative_error": -0.03 if checked else None,
+            "inside_interval": True if checked else None,
+            "post_hoc": False,
+        }
+
+    for night, checked in (("night-1", False), ("night-2", True)):
+        done = store.start_execution("fit", run_id=night, pipeline=pages.SWEEP_DAG)
+        store.finish_execution(done)
+        report = tmp_path / "runs" / night / "report" / "report.json"
+        report.parent.mkdir(parents=True)
+        report.write_text(json.dumps({"cells": [], "fits": {}, "forecasts": [forecast(checked)]}))
+    monkeypatch.setattr(ui, "dag_runs", lambda ids: {})
+    monkeypatch.setattr(ui, "waiting_dag_runs", lambda dags: {})
+    page = parse(client.get("/sweeps").text)
+    rows = [cells for _, cells in page.rows if cells and cells[-1].startswith("ab" * 6)]
+    assert len(rows) == 1
+    assert rows[0][0] == "night-1" and "3.1000" in rows[0]
