@@ -53,8 +53,12 @@ def tokenizer_vocab(graph: Any, root: str) -> int:
 
 
 def form_vocab(params: Mapping[str, Any]) -> int:
-    """The vocabulary the form asks the tokenizer for (before it is trained)."""
-    return int(((params.get("stage_configs") or {}).get("train_tokenizer") or {})["vocab_size"])
+    """The vocabulary the form asks the tokenizer for (before it is trained): the stage's
+    config default where the form's train_tokenizer config leaves it out."""
+    from pipelines.configs import TrainTokenizerConfig
+
+    config = (params.get("stage_configs") or {}).get("train_tokenizer") or {}
+    return int(config.get("vocab_size", TrainTokenizerConfig().vocab_size))
 
 
 class ValidateSweepOperator(ValidateRunOperator):

@@ -557,3 +557,14 @@ def test_the_forecast_record_lists_each_pre_registration_once(tmp_path, monkeypa
     assert len(lines) == 2
     assert lines[0].startswith("night-1") and "outcome 3.1000 error -3.00% inside" in lines[0]
     assert lines[1].startswith("night-3") and lines[1].endswith("not checked")
+
+
+def test_a_tokenizer_config_without_vocab_size_takes_the_stages_default():
+    # It once raised a bare KeyError in validate, naming no field.
+    from operators.sweep_tasks import form_vocab
+    from pipelines.configs import TrainTokenizerConfig
+
+    assert form_vocab({"stage_configs": {"train_tokenizer": {"seed": 1}}}) == (
+        TrainTokenizerConfig().vocab_size
+    )
+    assert form_vocab({"stage_configs": {"train_tokenizer": {"vocab_size": 1024}}}) == 1024
