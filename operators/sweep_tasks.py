@@ -388,7 +388,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
             try:
                 grid = [c["cell"] for c in context["ti"].xcom_pull(task_ids=GRID_TASK) or []]
                 checks = self._check_forecasts(context, store, execution, record)
-                incomplete = self._incomplete(context, record, grid, checks)
+                incomplete = self._incomplete(context, record, grid, checks, task_states)
             except BaseException as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 try:
@@ -510,11 +510,23 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         record: Mapping[str, Any],
         grid: list[dict[str, Any]],
         checks: list[dict[str, Any]],
+        task_states: Mapping[str, str] | None = None,
     ) -> str | None:
-        """What makes the night incomplete: a failed cell of the ``grid`` (read again here: a cleared and
-        repaired cell counts as repaired), no forecast, or a forecast left unchecked. As the
-        DAG's leaf, ``check`` then fails the night, so that a backfill with
-        ``reprocess_behavior=failed`` completes it."""
+        """What makes the night incomplete: a task up to the grid (the data plane, ``grid``)
+        that did not succeed this try (``task_states``: Airflow's; the cells and the fit
+        would have read an earlier try's grid), a failed cell of the ``grid`` (read again
+        here: a cleared and repaired cell counts as repaired), no forecast, or a forecast
+        left unchecked. As the DAG's leaf, ``check`` then fails the night, so that a backfill
+        with ``reprocess_behavior=failed`` completes it."""
+        order = list(self.dag.task_dict) if self.has_dag() else []
+        before_cells = order[: order.index(GRID_TASK) + 1] if GRID_TASK in order else []
+        broken = [
+            f"{t} {task_states[t]}"
+            for t in before_cells
+            if (task_states or {}).get(t) in ("failed", "upstream_failed")
+        ]
+        if broken:
+            return "the night's data plane or grid did not succeed: " + ", ".join(broken)
         if not record.get("forecasts"):
             fits = record.get("fits") or {}
             return "no forecast this night: " + (

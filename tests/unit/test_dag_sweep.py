@@ -96,3 +96,19 @@ def test_conf_keys_the_form_does_not_declare_are_refused(dag):
     message = str(err.value)
     assert "steps: not a field of slipway_scaling_sweep's form" in message
     assert "model_name: not a field of slipway_scaling_sweep's form" in message
+
+
+def test_check_fails_a_night_whose_data_plane_or_grid_did_not_succeed_this_try(dag):
+    # A backfill clears the whole night; if validate now fails, grid never runs, and the
+    # all_done cells and fit read the earlier try's grid: every cell a cache hit, check once
+    # passed the night though its own summary said FAILED.
+    check = dag.get_task("check")
+    states = {"validate": "failed", "fetch": "upstream_failed", "grid": "upstream_failed"}
+    reason = check._incomplete({}, {"forecasts": [{}]}, [], [], states)
+    assert reason == (
+        "the night's data plane or grid did not succeed: validate failed, fetch upstream_failed,"
+        " grid upstream_failed"
+    )
+    # the grid and the data plane succeeded: the night is judged by its fit and cells
+    done = {t: "success" for t in ("validate", "fetch", "grid")}
+    assert check._incomplete({}, {}, [], [], done).startswith("no forecast this night")
