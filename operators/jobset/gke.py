@@ -533,7 +533,12 @@ class GkeBackend:
         try:
             obj = self._create(namespace, manifest)
         except JobSetConflict:
-            obj = self._resolve_conflict(namespace, name, manifest)
+            try:
+                obj = self._resolve_conflict(namespace, name, manifest)
+            except JobSetNotFound:
+                # Gone between the 409 and the read (a delete finishing just then, as a
+                # cleared task resubmits): the name is free now, so create it.
+                obj = self._create(namespace, manifest)
         return JobSetHandle(self.name, namespace, name, obj["metadata"]["uid"])
 
     def _create(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:

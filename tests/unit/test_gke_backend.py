@@ -516,3 +516,21 @@ def test_gke_credentials_through_the_google_provider(fake, monkeypatch):
     creds.valid = False  # an hour later
     assert api.configuration.auth_settings()["BearerToken"]["value"] == "Bearer fake-token-2"
     backend.close()
+
+
+def test_a_jobset_gone_between_the_409_and_the_read_is_created(fake, backend):
+    # The existing JobSet's foreground delete finishes just as a cleared task resubmits: the
+    # create gets 409, the read that follows 404. The name is free: create it, don't fail.
+    first = backend.submit(manifest())
+    original = fake._get
+
+    def vanished(ns, name):
+        with fake._cond:
+            fake.jobsets.pop((ns, name), None)
+        fake._get = original
+        return original(ns, name)
+
+    fake._get = vanished
+    second = backend.submit(manifest())
+    assert second.uid != first.uid and len(fake.created) == 2
+    assert fake.jobset(NS, second.name)["metadata"]["uid"] == second.uid
