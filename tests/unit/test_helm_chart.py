@@ -605,6 +605,14 @@ def test_explicit_google_service_account() -> None:
         ({"storage": {"dataDir": None}}, "missing property 'dataDir'"),
         ({"storage": {"corporaVolume": {"create": True}}}, "'corporaVolume' not allowed"),
         ({"schedules": {"sweep": "0 2 * *; rm -rf /"}}, "/schedules/sweep"),
+        # Labels the API server would refuse, or the chart's own keys (a duplicate key).
+        ({"commonLabels": {"team": "a b"}}, "/commonLabels/team"),
+        ({"commonLabels": {"Bad Key": "x"}}, "invalid propertyName 'Bad Key'"),
+        (
+            {"commonLabels": {"app.kubernetes.io/name": "other"}},
+            "invalid propertyName 'app.kubernetes.io/name'",
+        ),
+        ({"kueue": {"localQueue": {"name": "q" * 64}}}, "/kueue/localQueue/name"),
         ({"schedules": {"pipeline": "@sometimes"}}, "/schedules/pipeline"),
     ],
 )
