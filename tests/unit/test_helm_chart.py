@@ -1093,3 +1093,25 @@ def test_a_gke_run_keeps_the_platforms_identity_and_queue(monkeypatch: pytest.Mo
     assert "gke.service_account: a gke run on this platform names its trainer" in str(refused.value)
     queue_needed = "gke.queue: a gke run on this platform names its Kueue queue (TPU quota)"
     assert f"{queue_needed}: one of research-queue, {gke['queue']}" in str(refused.value)
+
+
+def test_the_airflow_values_must_name_our_account_and_password_secret() -> None:
+    """The Airflow sub-chart's values repeat two of ours: renaming one side alone would bind
+    the Role to an account no Airflow pod runs as, or hand the pods another password."""
+    renamed = {"serviceAccounts": {"airflow": {"name": "renamed-airflow"}}}
+    with pytest.raises(helm.HelmRenderError, match=r"serviceAccount\.name is \"slipway-airflow\""):
+        render_files(user_values("default", **renamed))
+    other = {"lineage": {"passwordSecret": {"name": "other-db", "key": "password"}}}
+    with pytest.raises(helm.HelmRenderError, match="lineage.passwordSecret is other-db/password"):
+        render_files(user_values("default", **other))
+    sa = {"create": False, "name": "renamed-airflow"}
+    both = render(
+        "default",
+        **renamed,
+        airflow={
+            "workers": {"serviceAccount": sa, "kubernetes": {"serviceAccount": sa}},
+            "triggerer": {"serviceAccount": sa},
+        },
+    )
+    (account,) = [o for o in of_kind(both, "ServiceAccount") if "airflow" in o["metadata"]["name"]]
+    assert account["metadata"]["name"] == "renamed-airflow"
