@@ -162,36 +162,58 @@ class RunPolicy:
                 return True
         return False
 
+    def _refusal(self, field: str, value: object, allowed: tuple[str, ...], env: str) -> str:
+        shown = ", ".join(allowed) if allowed else "nothing"
+        return (
+            f"{field} {value!r} is not allowed by the platform (allowed: {shown}; an "
+            f"operator adds more in {env})"
+        )
+
+    def _unlisted(self, where: str, values: Mapping[str, Any], key: str, field: str) -> list[str]:
+        """``values[key]``, when set, refused unless the ``field`` allow-list has it."""
+        value, allowed = values.get(key), getattr(self, field)
+        if value not in (None, "") and value not in allowed:
+            return [self._refusal(f"{where}.{key}", value, allowed, ALLOW_ENV[field])]
+        return []
+
+    def cluster_problems(self, gke: Mapping[str, Any]) -> list[str]:
+        """What a gke run's cluster settings (its ``gke`` object: where and as whom the
+        JobSets are managed) name that the platform does not allow. Also checked on settings
+        read back from storage (a deferred task's handle file), which others may write."""
+        out: list[str] = []
+        for key, field in (
+            ("gcp_conn_id", "gcp_conn_ids"),
+            ("kubeconfig", "kubeconfigs"),
+            ("namespace", "namespaces"),
+        ):
+            out += self._unlisted("gke", gke, key, field)
+        if gke.get("namespace") in (None, ""):  # never Kubernetes' "default" by omission
+            out.append("gke.namespace: a gke run names its training namespace")
+        if gke.get("cluster_name") not in (None, ""):
+            where = f"{gke.get('location') or ''}/{gke['cluster_name']}"
+            if gke.get("project_id"):
+                where = f"{gke['project_id']}/{where}"
+            if where not in self.gke_clusters:
+                out.append(
+                    self._refusal(
+                        "gke cluster", where, self.gke_clusters, ALLOW_ENV["gke_clusters"]
+                    )
+                )
+        if gke.get("context") not in (None, "") and gke.get("kubeconfig") in (None, ""):
+            out.append(
+                f"gke.context {gke['context']!r}: names a context of gke.kubeconfig, and "
+                "none is given (alone it would pick the worker's default kubeconfig)"
+            )
+        return out
+
     def problems(self, params: Mapping[str, Any]) -> list[str]:
         """Every form value the platform does not allow, as ``field: why`` sentences."""
         out: list[str] = []
-
-        def refuse(field: str, value: object, allowed: tuple[str, ...], env: str) -> None:
-            shown = ", ".join(allowed) if allowed else "nothing"
-            out.append(
-                f"{field} {value!r} is not allowed by the platform (allowed: {shown}; an "
-                f"operator adds more in {env})"
-            )
-
-        def listed(where: str, values: Mapping[str, Any], key: str, field: str) -> None:
-            """Refuse ``values[key]``, when set, unless the ``field`` allow-list has it."""
-            value, allowed = values.get(key), getattr(self, field)
-            if value not in (None, "") and value not in allowed:
-                refuse(f"{where}.{key}", value, allowed, ALLOW_ENV[field])
-
         gke = params.get("gke") or {}
         if params.get("backend") == "gke":
-            checks = (
-                ("gcp_conn_id", "gcp_conn_ids"),
-                ("kubeconfig", "kubeconfigs"),
-                ("namespace", "namespaces"),
-                ("service_account", "service_accounts"),
-                ("queue", "kueue_queues"),
-            )
-            for key, field in checks:
-                listed("gke", gke, key, field)
-            if gke.get("namespace") in (None, ""):  # never Kubernetes' "default" by omission
-                out.append("gke.namespace: a gke run names its training namespace")
+            out += self.cluster_problems(gke)
+            out += self._unlisted("gke", gke, "service_account", "service_accounts")
+            out += self._unlisted("gke", gke, "queue", "kueue_queues")
             # A gke object given in full replaces the pre-filled one: leaving these out must
             # not run the pods as the namespace's default account, or around Kueue's quota.
             for key, field, what in (
@@ -204,20 +226,9 @@ class RunPolicy:
                         f"gke.{key}: a gke run on this platform names {what}: one of "
                         f"{', '.join(allowed)}"
                     )
-            if gke.get("cluster_name") not in (None, ""):
-                where = f"{gke.get('location') or ''}/{gke['cluster_name']}"
-                if gke.get("project_id"):
-                    where = f"{gke['project_id']}/{where}"
-                if where not in self.gke_clusters:
-                    refuse("gke cluster", where, self.gke_clusters, ALLOW_ENV["gke_clusters"])
-            if gke.get("context") not in (None, "") and gke.get("kubeconfig") in (None, ""):
-                out.append(
-                    f"gke.context {gke['context']!r}: names a context of gke.kubeconfig, and "
-                    "none is given (alone it would pick the worker's default kubeconfig)"
-                )
             image = params.get("image")
             if isinstance(image, str) and image_repository(image) and not self.image_allowed(image):
-                refuse("image", image, self.images, ALLOW_ENV["images"])
+                out.append(self._refusal("image", image, self.images, ALLOW_ENV["images"]))
         else:
             # The local backend never uses them; a value here is a mistake, or a probe.
             for key in ("kubeconfig", "gcp_conn_id"):
@@ -225,23 +236,42 @@ class RunPolicy:
                     out.append(f"gke.{key}: only a backend=gke run names cluster credentials")
         if params.get("runner") == "DataflowRunner":
             dataflow = params.get("dataflow") or {}
-            listed("dataflow", dataflow, "service_account", "dataflow_service_accounts")
+            out += self._unlisted(
+                "dataflow", dataflow, "service_account", "dataflow_service_accounts"
+            )
             image = dataflow.get("sdk_container_image")
             if isinstance(image, str) and image_repository(image) and not self.image_allowed(image):
-                refuse("dataflow.sdk_container_image", image, self.images, ALLOW_ENV["images"])
-            listed("dataflow", dataflow, "project_id", "dataflow_projects")
+                out.append(
+                    self._refusal(
+                        "dataflow.sdk_container_image", image, self.images, ALLOW_ENV["images"]
+                    )
+                )
+            out += self._unlisted("dataflow", dataflow, "project_id", "dataflow_projects")
             for key in ("temp_location", "staging_location"):
                 value = dataflow.get(key)
                 if value not in (None, "") and not (
                     isinstance(value, str) and self.location_allowed(value)
                 ):
-                    refuse(
-                        f"dataflow.{key}",
-                        value,
-                        self.dataflow_locations,
-                        ALLOW_ENV["dataflow_locations"],
+                    out.append(
+                        self._refusal(
+                            f"dataflow.{key}",
+                            value,
+                            self.dataflow_locations,
+                            ALLOW_ENV["dataflow_locations"],
+                        )
                     )
         return out
+
+
+def checked_cluster(cluster: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``cluster`` (gke cluster settings read back from storage, where a trainer's or another
+    task's account may write) if the platform allows it; :class:`PolicyViolation` if not."""
+    problems = RunPolicy.from_env().cluster_problems(cluster or {})
+    if problems:
+        raise PolicyViolation(
+            "the platform does not allow the stored cluster settings:\n  " + "\n  ".join(problems)
+        )
+    return cluster
 
 
 def enforce(params: Mapping[str, Any]) -> None:

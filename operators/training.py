@@ -413,12 +413,14 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             time.sleep(min(5.0, self.gke_poll_seconds))
 
     def _defer_follow(self, target: Mapping[str, Any], execution: int) -> None:
+        from operators.policy import checked_cluster
         from operators.triggers.jobset import JobSetTrigger
 
         self.defer(
             trigger=JobSetTrigger(
                 handle=target["handle"],
-                cluster=target.get("cluster"),
+                # read back from the owner's handle file: checked as the run's own settings
+                cluster=checked_cluster(target.get("cluster")),
                 lease=None,  # not ours to renew
                 poll_seconds=self.gke_poll_seconds,
                 log_seconds=self.gke_log_seconds,
@@ -531,6 +533,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     def _abandon_deferred(self, context: Any, error: Any) -> None:
         from operators.hooks.jobset import JobSetHook
         from operators.jobset import JobSetHandle
+        from operators.policy import checked_cluster
         from operators.triggers.lease import handle_file
 
         deferred = self._deferred(self.train_step(context))
@@ -545,10 +548,13 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             self.log.warning("deferral ended (%s); no JobSet of this task to delete", error)
             return
         handle = JobSetHandle.from_dict(saved["handle"])
-        hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
+        hook = None
         ended = f"deferral ended: {getattr(error, 'value', error)}"
         reason = f"{ended}; deleting JobSet {handle.name} did not finish"
         try:
+            hook = JobSetHook(
+                "gke", cluster=checked_cluster(saved.get("cluster")), log_sink=self.log.info
+            )
             status = hook.cancel(handle)
             reason = f"{ended}; JobSet {handle.name}: {status.message}"
             self.log.warning("%s", reason)
@@ -561,16 +567,19 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             try:
                 deferred.fail(saved.get("execution_id"), TrainingFailed(reason), saved["lease"])
             finally:
-                hook.close()
+                if hook is not None:
+                    hook.close()
 
     def _cancel_quietly(self, handle: Mapping[str, Any], output: str) -> None:
         from operators.hooks.jobset import JobSetHook
         from operators.jobset import JobSetHandle
+        from operators.policy import checked_cluster
         from operators.triggers.lease import handle_file
 
         saved = _read_json(handle_file(output)) or {}
         try:
-            hook = JobSetHook("gke", cluster=saved.get("cluster"), log_sink=self.log.info)
+            cluster = checked_cluster(saved.get("cluster"))
+            hook = JobSetHook("gke", cluster=cluster, log_sink=self.log.info)
             try:
                 hook.cancel(JobSetHandle.from_dict(handle))
             finally:

@@ -565,6 +565,25 @@ def test_second_run_follows_the_owner_instead_of_waiting(fake, kubeconfig, home,
     assert len(fake.created) == 1
 
 
+def test_a_follower_refuses_cluster_settings_the_platform_does_not_allow(
+    fake, kubeconfig, home, params
+):
+    """The owner's handle file lies in the bucket, which trainer and Dataflow accounts may
+    write: a follower checks the cluster settings it reads there, as the run's own."""
+    from operators.policy import PolicyViolation
+    from operators.triggers.lease import handle_file
+
+    _defer(_operator(), params)
+    _, spec = _train_spec(params)
+    path = Path(handle_file(spec.output_path))
+    saved = json.loads(path.read_text())
+    saved["cluster"] = {**saved["cluster"], "kubeconfig": "/home/airflow/.kube/admin-config"}
+    path.write_text(json.dumps(saved))
+    with pytest.raises(PolicyViolation, match=r"gke\.kubeconfig '/home/airflow/.kube/admin"):
+        _operator().execute(_context(params, "manual__second"))
+    assert len(fake.created) == 1  # nothing sent to another cluster
+
+
 def test_killing_a_follower_leaves_the_owners_jobset_training(fake, kubeconfig, home, params):
     """A second run follows the owner's JobSet; marking the second run's task failed (or
     clearing it) must not delete the JobSet the first run is training, nor fail its step."""
