@@ -1102,7 +1102,7 @@ def test_the_airflow_values_must_name_our_account_and_password_secret() -> None:
     with pytest.raises(helm.HelmRenderError, match=r"serviceAccount\.name is \"slipway-airflow\""):
         render_files(user_values("default", **renamed))
     other = {"lineage": {"passwordSecret": {"name": "other-db", "key": "password"}}}
-    with pytest.raises(helm.HelmRenderError, match="lineage.passwordSecret is other-db/password"):
+    with pytest.raises(helm.HelmRenderError, match=r"lineage\.passwordSecret is other-db/password"):
         render_files(user_values("default", **other))
     sa = {"create": False, "name": "renamed-airflow"}
     both = render(
