@@ -210,11 +210,18 @@ def _run_client(
     return result
 
 
-def _apt_needs_update(result: subprocess.CompletedProcess) -> bool:
+def _apt_lacks(result: subprocess.CompletedProcess) -> bool:
+    """apt ran and does not have the pinned version: its lists are stale or missing, or they
+    are another release's (Ubuntu, a newer Debian: ``Version '...' for '...' was not found``)."""
     text = (result.stderr or "") + (result.stdout or "")
     return any(
         marker in text
-        for marker in ("Unable to locate package", "Can't select", "has no installation candidate")
+        for marker in (
+            "Unable to locate package",
+            "Can't select",
+            "has no installation candidate",
+            "was not found",
+        )
     )
 
 
@@ -271,13 +278,17 @@ def _download(package: Package, workdir: Path, runner: Runner) -> Path:
         result = _run_client(package, _client_command(package), workdir, runner)
     except ClientMissing as missing:
         return _without_client(package, workdir, missing.reason)
-    if result.returncode != 0 and package.client == "apt" and _apt_needs_update(result):
+    if result.returncode != 0 and package.client == "apt" and _apt_lacks(result):
         # Package lists are missing or stale (fresh container): refresh them once, then retry.
         update = _run_client(package, ["apt-get", "update"], workdir, runner)
         if update.returncode != 0:
             why = "apt's package lists lack it and apt-get update failed (it needs root)"
             return _without_client(package, workdir, why, update.stderr or "")
         result = _run_client(package, _client_command(package), workdir, runner)
+        if result.returncode != 0 and _apt_lacks(result):
+            # Up-to-date lists of another release: the pinned file is still in Debian's pool.
+            why = f"apt has no {package.spec} (its lists are another release's)"
+            return _without_client(package, workdir, why, result.stderr or "")
     if result.returncode != 0:
         raise CorpusFetchError(
             package.name,

@@ -200,6 +200,33 @@ def test_apt_without_package_lists_downloads_from_the_mirror(
     assert [c[:2] for c in calls] == [["apt-get", "download"], ["apt-get", "update"]]
 
 
+def test_apt_of_another_release_downloads_the_pinned_file_from_the_pool(
+    tmp_path: Path, registry: dict[str, bytes]
+):
+    """Ubuntu, or a newer Debian, has fortunes but not the pinned version: apt says the
+    version was not found even with fresh lists. The pinned .deb is still in Debian's pool."""
+    deb = PACKAGES["fortunes-min"]
+    assert deb.registry_path is not None
+    registry[deb.registry_path] = b"!<arch>\npinned"
+    calls: list[list[str]] = []
+
+    def apt(command, **kwargs):
+        calls.append(list(command))
+        if command[:2] == ["apt-get", "update"]:
+            return subprocess.CompletedProcess(command, 0, "Reading package lists...", "")
+        return subprocess.CompletedProcess(
+            command, 100, "", f"E: Version '{deb.spec.split('=')[1]}' for 'x' was not found"
+        )
+
+    got = ensure_package(deb, tmp_path, expected={}, runner=apt)
+    assert got.path.read_bytes() == b"!<arch>\npinned"
+    assert [c[:2] for c in calls] == [
+        ["apt-get", "download"],
+        ["apt-get", "update"],
+        ["apt-get", "download"],
+    ]
+
+
 def test_a_failing_client_or_registry_is_a_clear_error(tmp_path: Path, registry: dict[str, bytes]):
     # The registry has no such file: the error says why the client was passed over, and where.
     with pytest.raises(CorpusFetchError) as err:
