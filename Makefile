@@ -48,12 +48,12 @@ corpora: install
 # The pipeline DAG end to end with `airflow dags test` (no scheduler needed): its own Airflow
 # home and SQLite DB under $(OUT)/airflow, the step outputs and lineage DB under $(OUT), then a
 # summary from lineage. A second `make demo` is all cache hits.
-AIRFLOW_ENV = AIRFLOW_HOME=$(abspath $(OUT))/airflow \
-	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
-	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
+AIRFLOW_ENV = AIRFLOW_HOME="$(abspath $(OUT))/airflow" \
+	AIRFLOW__CORE__DAGS_FOLDER="$(CURDIR)/dags" \
+	AIRFLOW__CORE__PLUGINS_FOLDER="$(CURDIR)/plugins" \
 	AIRFLOW__CORE__LOAD_EXAMPLES=False \
-	SLIPWAY_HOME=$(abspath $(OUT)) \
-	SLIPWAY_DATA_DIR=$(abspath $(DATA))
+	SLIPWAY_HOME="$(abspath $(OUT))" \
+	SLIPWAY_DATA_DIR="$(abspath $(DATA))"
 AIRFLOW_PORT ?= 8080
 # The task-log servers (the UI reads task logs from them) move with the UI's port, so that two
 # `make airflow` on one machine do not collide: Airflow's own 8793 and 8794 beside 8080.
@@ -108,7 +108,8 @@ airflow: install
 
 # Debian's Chromium, for the UI tests (tests/e2e/test_airflow_ui.py drives it with Playwright;
 # Playwright's own browser download cannot work offline). From apt, as root or through sudo.
-CHROMIUM ?= /usr/bin/chromium
+# CHROMIUM=/path (or $SLIPWAY_CHROMIUM, which the tests read) points the tests at another one.
+CHROMIUM ?= $(or $(SLIPWAY_CHROMIUM),/usr/bin/chromium)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
 	@test -x $(CHROMIUM) || { echo "installing Debian's chromium (apt-get)"; \
@@ -119,7 +120,7 @@ browser:
 test: install install-parity browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest
+	SLIPWAY_CHROMIUM="$(CHROMIUM)" $(VENV)/bin/pytest
 
 lint: install
 	$(VENV)/bin/ruff check .
