@@ -72,8 +72,13 @@ DocKey = tuple[str, str]  # (id, text hash)
 
 
 def text_hash(text: str) -> str:
-    """128-bit hash of text as exact dedup compares it (hex, so it sorts and prints well)."""
-    return xxhash.xxh3_128_hexdigest(dedup_key_text(text).encode("utf-8", "surrogatepass"))
+    """128-bit hash of text as exact dedup compares it (hex, so it sorts and prints well).
+
+    A text with no word character (emoji, symbols, punctuation only) has an empty key, which
+    would make every such document a copy of every other: it is compared as it is instead
+    (the NUL prefix keeps it apart from any key, which never holds one)."""
+    key = dedup_key_text(text) or "\x00" + text
+    return xxhash.xxh3_128_hexdigest(key.encode("utf-8", "surrogatepass"))
 
 
 def document_rank(doc: Document) -> Rank:

@@ -41,6 +41,10 @@ DOCS = [
     _doc("h", f"{P4}\n\n{P4}"),
     _doc("empty-1", ""),
     _doc("empty-2", ""),
+    # No word character: no key text. Only the same text is a copy (sym-3 of sym-1).
+    _doc("sym-1", "😀😀😀"),
+    _doc("sym-2", "∑ ∫ ≠ → ∞"),
+    _doc("sym-3", "😀😀😀"),
 ]
 
 
@@ -105,8 +109,9 @@ def test_duplicates_differing_in_case_punctuation_and_space_keep_smallest_id(mar
         assert by_id[doc_id]["duplicate_of"] == "a"
         assert by_id[doc_id]["origin"] == doc_id
     assert "empty-1" in kept and by_id["empty-2"]["duplicate_of"] == "empty-1"
-    assert manifest.dropped["exact_duplicate"] == 3
-    assert manifest.extra["exact_duplicate_groups"] == 2
+    assert "sym-1" in kept and "sym-2" in kept and by_id["sym-3"]["duplicate_of"] == "sym-1"
+    assert manifest.dropped["exact_duplicate"] == 4
+    assert manifest.extra["exact_duplicate_groups"] == 3
 
 
 def test_repeated_paragraphs_are_marked_outside_their_first_document(marked):
