@@ -102,9 +102,14 @@ class QualityThresholds:
                 if not isinstance(value, bool):
                     raise ValueError(f"enabled must be true or false, not {value!r}")
             elif value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)  # NaN compares false: the rule would never fire
+                or value < 0
             ):
-                raise ValueError(f"{f.name} must be a number >= 0 or null, not {value!r}")
+                raise ValueError(f"{f.name} must be a finite number >= 0 or null, not {value!r}")
+            elif isinstance(value, float) and "int" in str(f.type) and not value.is_integer():
+                raise ValueError(f"{f.name} must be a whole number or null, not {value!r}")
 
 
 def _replace_thresholds(base: QualityThresholds, values: Any, where: str) -> QualityThresholds:

@@ -148,6 +148,10 @@ def test_per_source_overrides_change_only_named_fields():
         ({"sources": {"fortunes": {"min_wordz": 3}}}, "min_wordz"),
         ({"sources": {"fortunes": {"min_words": "many"}}}, "min_words"),
         ({"sources": {"fortunes": 3}}, "fortunes"),
+        # NaN compares false: the rule would silently never fire
+        ({"thresholds": {"min_words": float("nan")}}, "min_words must be a finite number"),
+        ({"sources": {"fortunes": {"max_words": float("nan")}}}, "max_words must be a finite"),
+        ({"thresholds": {"min_words": 40.5}}, "min_words must be a whole number"),
     ],
 )
 def test_bad_config_names_the_field(values, named):
