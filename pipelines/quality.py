@@ -20,6 +20,7 @@ multi-megabyte document costs seconds, never minutes.
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,21 @@ DUPLICATE_NGRAM_SIZES = (5, 6, 7, 8, 9, 10)
 # without a letter of any script: whole tokens, bounded by whitespace or the text's ends. Both
 # are rare in text, so counting them is cheaper than counting their complements.
 _SYMBOL_TOKEN = re.compile(r"(?<!\S)[^\w\s]+(?!\S)")
-_NO_LETTER_TOKEN = re.compile(r"(?<!\S)(?:[^\w\s]|[\d_])+(?!\S)")
+
+
+@functools.cache
+def _no_letter_token() -> re.Pattern[str]:
+    """Tokens without a letter (``str.isalpha``, as DataTrove counts alpha words): made of
+    non-word characters, digits, '_' and the other numerals ``\\w`` matches (½, ², Ⅻ, ③),
+    which ``\\d`` does not. Built on first use: the numerals are found by a scan of Unicode."""
+    numerals = "".join(
+        chr(c)
+        for c in range(0x110000)
+        if chr(c).isnumeric() and not chr(c).isalpha() and not chr(c).isdecimal()
+    )
+    return re.compile(rf"(?<!\S)(?:[^\w\s]|[\d_{re.escape(numerals)}])+(?!\S)")
+
+
 # ASCII text's tokens with a letter, counted without a regex scan or a string per token: letters
 # become "x", whitespace (``str.isspace``, as ``str.split`` and ``\s`` see it) a space, every
 # other byte is deleted; each such token is then one run of "x" after a space or at the start.
@@ -296,7 +311,7 @@ def _token_kinds(text: str, tokens: Sequence[str]) -> tuple[int, int, int]:
         letter_tokens = marks.count(b" x") + marks.startswith(b"x")
         return len(runs), sum(map(len, runs)) - len(runs), letter_tokens
     symbols = _SYMBOL_TOKEN.findall(text)
-    no_letter = len(_NO_LETTER_TOKEN.findall(text))
+    no_letter = len(_no_letter_token().findall(text))
     return len(symbols), sum(map(len, symbols)), len(tokens) - no_letter
 
 
