@@ -23,7 +23,8 @@ machine's CPU count. Same documents + same config -> byte-identical ``tokenizer.
 Normalization. ``identity`` with ``remove_extra_whitespaces=False`` and
 ``add_dummy_prefix=False`` by default: documents are already NFC-normalized by ingest, and
 whitespace is content (code indentation), so decoding tokens gives back the document text
-exactly. ``nfkc`` is available but then decoding gives the NFKC form of the text.
+exactly, but for U+2581 (sentencepiece's own space mark), which decodes as a space. ``nfkc``
+is available but then decoding gives the NFKC form of the text.
 
 Ids: pad 0, unk 1, bos 2, eos 3 (``pipelines.spm``), then 256 byte pieces, then merges.
 
