@@ -160,12 +160,14 @@ def decide(doc: Document, limit: int, seed: int, cut: CutKey | None) -> Iterator
 
 
 def training_lines(text: str, max_line_chars: int) -> Iterator[str]:
-    """Non-blank lines, each cut into pieces of at most ``max_line_chars`` characters."""
+    """Non-blank lines, each cut into pieces of at most ``max_line_chars`` characters: the
+    sample file's lines exactly as the trainer reads them back (``storage.iter_lines`` skips
+    blank lines and a final carriage return), so the manifest counts what it trains on."""
     for line in text.split("\n"):
-        if not line.strip():
-            continue
         for start in range(0, len(line), max_line_chars):
-            yield line[start : start + max_line_chars]
+            piece = line[start : start + max_line_chars].removesuffix("\r")
+            if piece.strip():  # a cut inside a long run of spaces is a blank line too
+                yield piece
 
 
 def sample_shard_name(index: int, num_shards: int) -> str:

@@ -146,6 +146,19 @@ def test_training_lines_skip_blank_and_cut_long_lines():
     assert list(training_lines(text, 10)) == ["short", "x" * 10, "x" * 10, "x" * 5, "end"]
 
 
+def test_training_lines_are_what_the_trainer_reads_back(tmp_path):
+    # A cut inside a run of spaces, and a CRLF line: the sample file's reader skips blank
+    # lines and drops the carriage return, so the manifest's counts must too.
+    from pipelines import storage
+
+    text = "x" * 8 + " " * 8 + "\nabc\r\ndef"
+    lines = list(training_lines(text, 8))
+    path = tmp_path / "sample.txt"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    read = [raw.decode("utf-8") for raw in storage.iter_lines(str(path))]
+    assert lines == read == ["x" * 8, "abc", "def"]
+
+
 def test_configs_refuse_bad_values():
     with pytest.raises(StageError, match="vocab_size"):
         config_from_mapping(TrainTokenizerConfig, {"vocab_size": 100})
