@@ -9,6 +9,9 @@ protobuf and its Llama converter, which prepends "▁" unless told otherwise and
 installed protobuf (in this venv that conversion fails outright).
 
 What cannot be reproduced exactly is refused (``check_tokenizer``: ``UnexportableTokenizer`` names it).
+Encoding is the same, and so is decoding what encoding gives. Decoding ids a model generated
+can differ: a run of byte pieces that is not valid UTF-8 becomes U+FFFD for its bad bytes in
+sentencepiece, for all of its bytes in ``tokenizers``' ``ByteFallback`` (docs/export.md).
 """
 
 from __future__ import annotations
