@@ -110,18 +110,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _open_store(args: argparse.Namespace) -> Any:
     """The lineage store, or None after saying why it cannot be opened."""
-    from sqlalchemy.exc import OperationalError
-
-    from operators.lineage.store import LineageStore, NotFound
-    from operators.lineage.url import LineageConfigError, lineage_url, redacted
+    from operators.lineage.store import NotFound, open_for_reading
+    from operators.lineage.url import LineageConfigError, lineage_url
 
     try:
-        url = args.db or lineage_url()
-        return LineageStore(url, create=False)
+        return open_for_reading(args.db or lineage_url())
     except (NotFound, LineageConfigError) as exc:
         print(f"slipway: {exc.args[0]}", file=sys.stderr)
-    except OperationalError as exc:  # unreachable server, bad credentials
-        print(f"slipway: cannot open {redacted(url)}: {exc.orig}", file=sys.stderr)
     return None
 
 

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 from operators.lineage import (
     LineageConfigError,
-    LineageStore,
     NotFound,
     lineage_url,
 )
 from operators.lineage.render import render_run, run_failed
+from operators.lineage.store import open_for_reading
 from operators.lineage.url import redacted
 from operators.promotion import gate_line, gate_outcome
 from operators.reports.pages import PIPELINE_DAG as PIPELINE
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_id", nargs="?", help=f"default: the latest {PIPELINE} run")
     args = parser.parse_args(argv)
     try:
-        store = LineageStore(lineage_url(), create=False)
+        store = open_for_reading(lineage_url())
     except (NotFound, LineageConfigError) as exc:
         print(f"slipway: {exc.args[0]}", file=sys.stderr)
         return 1

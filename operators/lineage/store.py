@@ -319,6 +319,27 @@ def _execution_record(row: Execution) -> ExecutionRecord:
 # -- the store ------------------------------------------------------------------------------------
 
 
+def open_for_reading(url: str) -> LineageStore:
+    """The existing store at ``url`` (``create=False``: ``NotFound`` where there is none), or
+    :class:`~operators.lineage.url.LineageConfigError` saying in one line why it cannot be
+    opened: no database URL, a driver not installed, a file that is no database, a server
+    out of reach (the password masked). What the command-line readers print."""
+    from sqlalchemy.exc import ArgumentError, DatabaseError
+
+    from operators.lineage.url import LineageConfigError
+
+    try:
+        return LineageStore(url, create=False)
+    except ArgumentError as exc:
+        raise LineageConfigError(f"{redacted(url)} is not a database URL: {exc}") from None
+    except ImportError as exc:
+        raise LineageConfigError(
+            f"cannot open {redacted(url)}: its driver {exc.name or exc} is not installed"
+        ) from None
+    except DatabaseError as exc:  # unreachable server, bad credentials, not a database
+        raise LineageConfigError(f"cannot open {redacted(url)}: {exc.orig}") from None
+
+
 class LineageStore:
     """``LineageStore(url)``; the schema is created on first use unless ``create=False``.
 

@@ -478,6 +478,20 @@ def test_cli_errors_and_default_db(tmp_path, monkeypatch, capsys):
     assert summary.main(["nope"]) == 1  # `python -m operators.summary RUN_ID`
     assert capsys.readouterr().err.strip() == "slipway: no run 'nope'"
 
+    # What cannot be opened is one line saying why, never a traceback.
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("not sqlite")
+    for db, why in [
+        ("bogus", "bogus is not a database URL"),
+        ("mysql://x@localhost/db", "its driver MySQLdb is not installed"),
+        (f"sqlite:///{not_a_db}", "file is not a database"),
+    ]:
+        assert cli.main(["lineage", "runs", "--db", db]) == 1
+        assert why in capsys.readouterr().err
+    monkeypatch.setenv("SLIPWAY_LINEAGE_DB", "bogus")
+    assert summary.main([]) == 1
+    assert capsys.readouterr().err.startswith("slipway: bogus is not a database URL")
+
 
 def test_describe_documents_reads_the_stage_manifest(tmp_path):
     from operators.lineage.describe import describe_documents
