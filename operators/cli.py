@@ -83,7 +83,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from operators.pipeline.form import RunConfigError, form_values
     from operators.pipeline.graph import build_graph
-    from operators.settings import steps_root
+    from operators.settings import HOME_ENV, steps_root
     from operators.steps import format_plan, plan
 
     text = args.conf
@@ -101,9 +101,22 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     try:
         graph = build_graph(form_values(conf))
-    except (RunConfigError, FileNotFoundError, ValueError) as exc:
+    except FileNotFoundError as exc:  # the steps' versions hash the corpora
+        print(
+            f"slipway: {exc.filename or exc} is missing: fetch the corpora first (make "
+            "corpora), or point $SLIPWAY_DATA_DIR (or the form's data_dir) at them",
+            file=sys.stderr,
+        )
+        return 2
+    except (RunConfigError, ValueError) as exc:
         print(f"slipway: {exc}", file=sys.stderr)
         return 2
+    if not os.environ.get(HOME_ENV):
+        print(
+            f"slipway: planning against {steps_root()} (${HOME_ENV} is not set; the platform's "
+            "Airflow Variable slipway_home is read by tasks only)",
+            file=sys.stderr,
+        )
     print(format_plan(plan(graph.all_steps(), steps_root())))
     return 0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,11 @@ def schedule_from_env(variable: str, default: str) -> str | None:
 
 
 def _variable(key: str) -> str | None:
+    """The Airflow Variable ``key`` where Airflow is already loaded (a task, a DAG parse);
+    elsewhere (the ``slipway`` command) there is no API server to ask, and importing Airflow
+    to find that out costs seconds and writes ``~/airflow``."""
+    if "airflow.sdk" not in sys.modules:
+        return None
     try:
         from airflow.sdk import Variable
 

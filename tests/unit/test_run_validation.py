@@ -612,6 +612,32 @@ def test_slipway_plan_refuses_naming_the_field(tmp_path, conf, named):
     assert named in result.stderr, result.stderr
 
 
+def test_slipway_plan_without_corpora_or_a_home_says_what_to_do(tmp_path):
+    """A new user's first `slipway plan`: no corpora yet, no $SLIPWAY_HOME. It says to fetch
+    the corpora, and where it plans, without importing Airflow (which writes ~/airflow)."""
+    from operators.pipeline.form import SOURCES
+    from tests.support.tiny_pipeline import make_corpora
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLIPWAY_", "AIRFLOW"))}
+    env["HOME"] = str(tmp_path / "home")
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+
+    def plan(cwd: Path) -> subprocess.CompletedProcess:
+        cwd.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "operators.cli", "plan"]
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+
+    bare = plan(tmp_path / "fresh")
+    assert bare.returncode == 2, bare.stderr
+    assert "raw/brown.jsonl.gz is missing: fetch the corpora first (make corpora)" in bare.stderr
+    make_corpora(tmp_path / "clone" / "data", SOURCES)  # the form's default mixture
+    planned = plan(tmp_path / "clone")
+    assert planned.returncode == 0, planned.stderr
+    assert f"planning against {tmp_path / 'clone' / 'out' / 'steps'}" in planned.stderr
+    assert "never run" in planned.stdout
+    assert not (tmp_path / "home" / "airflow").exists()
+
+
 def test_the_trainers_own_checks_run_on_the_config_train_will_write(dag):
     # The trainer's validation of the config file the train step writes, in the first task.
     message = _refused(_form(dag, sources=[{"name": "brown", "weight": 0}]))
