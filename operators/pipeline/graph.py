@@ -45,15 +45,20 @@ EVAL_STORE_PREFIX = "eval-"  # eval sets tokenized as held-out stores: eval-<nam
 # numbers stand). tests/unit/test_step_versions.py fails when a default changes without a bump.
 OUTPUT_VERSIONS: dict[str, int] = {
     "ingest": 0,
-    "quality": 0,
-    "exact_dedup": 0,
+    # 1: alpha_word_fraction counts letters as str.isalpha (½, ², Ⅻ are none)
+    "quality": 1,
+    # 1: a text with no word character is compared as it is; removal keeps the text's layout
+    "exact_dedup": 1,
     "fuzzy_dedup": 0,
-    "decontaminate": 0,
-    "train_tokenizer": 0,
+    # 1: eval texts normalized as ingest normalizes the corpus
+    "decontaminate": 1,
+    # 1: the sample's lines as the trainer reads them (no blank piece, no carriage return)
+    "train_tokenizer": 1,
     "tokenize": 0,
     "split": 0,
     "train": 0,
-    "evaluate": 0,
+    # 1: an MoE model's padding takes no expert capacity; non-finite metrics kept as null
+    "evaluate": 1,
     "export": 0,
 }
 

@@ -21,11 +21,11 @@ from tests.support.tiny_pipeline import tiny_params
 # kind -> (its OUTPUT_VERSIONS number, the digest of its config's defaults)
 DEFAULTS = {
     "ingest": (0, "9611c8b86f87c611"),
-    "quality": (0, "643110d30b7d2daa"),
-    "exact_dedup": (0, "58f317ce148b6476"),
+    "quality": (1, "643110d30b7d2daa"),
+    "exact_dedup": (1, "58f317ce148b6476"),
     "fuzzy_dedup": (0, "905fb65050e38fd2"),
-    "decontaminate": (0, "c3233ac9d230a9f7"),
-    "train_tokenizer": (0, "fac0146f727238c7"),
+    "decontaminate": (1, "c3233ac9d230a9f7"),
+    "train_tokenizer": (1, "fac0146f727238c7"),
     "tokenize": (0, "f7345a436c411f46"),
     "train": (0, "f3d5e7dabb7c015b"),  # TrainConfig's defaults and every preset's shape
 }
@@ -70,11 +70,15 @@ def test_a_bump_recomputes_the_step_and_everything_downstream(params, monkeypatc
         return {s.name: s.key for s in g.all_steps()}
 
     before = keys()
-    monkeypatch.setitem(graph.OUTPUT_VERSIONS, "quality", 1)
+    number = graph.OUTPUT_VERSIONS["quality"]
+    monkeypatch.setitem(graph.OUTPUT_VERSIONS, "quality", number + 1)
     after = keys()
     upstream = {"ingest"}
     changed = {name for name in before if before[name] != after[name]}
     assert "quality" in changed and not changed & upstream
     assert {"exact_dedup", "split", "train", "evaluate", "export"} <= changed
-    monkeypatch.setitem(graph.OUTPUT_VERSIONS, "quality", 0)
-    assert keys() == before  # 0 enters no version: the versions from before the numbers stand
+    monkeypatch.setitem(graph.OUTPUT_VERSIONS, "quality", number)
+    assert keys() == before
+    # 0 enters no version: the versions from before the numbers stand
+    monkeypatch.setitem(graph.OUTPUT_VERSIONS, "ingest", 0)
+    assert "output_version" not in graph.build_graph(params).stages["ingest"][0].step.config
