@@ -43,6 +43,7 @@ OPERATORS_MAY_USE = {
         "trainer.recipes",
         "trainer.fitting",
         "trainer.tasks",  # benchmark task names and the sets they read (JAX-free)
+        "trainer.mesh_axes",  # the mesh's axis names, which split the batch (constants)
     },
 }
 AIRFLOW_FREE = (
