@@ -1,6 +1,7 @@
 """The device mesh's axis names, in one place for the module that builds meshes
-(``trainer.distributed``) and the one that runs kernels per device inside them
-(``trainer.kernels``), which the former imports through the model."""
+(``trainer.distributed``), the one that runs kernels per device inside them
+(``trainer.kernels``), which the former imports through the model, and the launch's check
+of a run's batch against its mesh (``operators.jobset.mesh``). Constants only."""
 
 from __future__ import annotations
 
