@@ -62,6 +62,9 @@ def form_vocab(params: Mapping[str, Any]) -> int:
 
 
 class ValidateSweepOperator(ValidateRunOperator):
+    # Every cell's batch is the recipe's, a multiple of the data-parallel size (recipe_for).
+    form_has_batch = False
+
     def check(self, params: dict[str, Any]) -> None:
         from operators.pipeline.form import RunConfigError
         from operators.sweep.form import check_sweep_config

@@ -29,6 +29,9 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
 
     ui_color = "#ffe0e0"
     template_fields = ("gcp_conn_id",)
+    # The form sets the training batch, checked against the launch's mesh (the sweep's
+    # recipe sets each cell's instead).
+    form_has_batch = True
 
     def __init__(self, *, gcp_conn_id: str = GCP_CONN_ID, **kwargs: Any) -> None:
         kwargs.setdefault("task_id", "validate")
@@ -87,5 +90,7 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         from operators.pipeline.form import check_run_config
 
         check_run_config(
-            params, connection_project=lambda: gcp_connection_project(self.gcp_conn_id)
+            params,
+            connection_project=lambda: gcp_connection_project(self.gcp_conn_id),
+            batch=self.form_has_batch,
         )

@@ -611,7 +611,10 @@ def _non_finite(value: Any, path: str) -> list[str]:
 
 
 def check_run_config(
-    params: Mapping[str, Any], *, connection_project: Callable[[], str | None] | None = None
+    params: Mapping[str, Any],
+    *,
+    connection_project: Callable[[], str | None] | None = None,
+    batch: bool = True,
 ) -> None:
     """Every check of a run form that JSON schema cannot express. Raises
     :class:`RunConfigError` listing every problem, each starting with the field's name.
@@ -620,6 +623,8 @@ def check_run_config(
     allows (:mod:`operators.policy`), every stage config (:mod:`pipelines.configs`), the TPU
     shape. ``connection_project`` looks up the GCP connection's project, the Dataflow
     project's last fallback; called only when neither the run nor the platform names one.
+    ``batch=False``: a form without ``batch_size`` of its own (the sweep's recipe sets each
+    cell's, a multiple of the data-parallel size), whose default is not checked on the mesh.
     """
     # Lazy: parse-time imports stay at Param; the stage configs import their stage modules.
     from operators.jobset import ManifestError, TrainingLaunch
@@ -686,7 +691,7 @@ def check_run_config(
         else:
             # The trainer's own rule, checked here: there it would fail after the data plane.
             mesh = resolved(mesh, launch.shape.chips_per_slice)
-            if params["batch_size"] % (dp := data_parallel_size(mesh)):
+            if batch and params["batch_size"] % (dp := data_parallel_size(mesh)):
                 problems.append(
                     f"batch_size: {params['batch_size']} is not divisible by the data-parallel "
                     f"size {dp} (replica x data x fsdp of the mesh {mesh} on "

@@ -568,3 +568,18 @@ def test_a_tokenizer_config_without_vocab_size_takes_the_stages_default():
         TrainTokenizerConfig().vocab_size
     )
     assert form_vocab({"stage_configs": {"train_tokenizer": {"vocab_size": 1024}}}) == 1024
+
+
+def test_the_sweeps_validate_does_not_check_a_batch_its_form_has_not():
+    # The pipeline's default batch (16) fills the sweep's params; its cells' batches are the
+    # recipe's, multiples of the data-parallel size. On 3 x 4x4 v5e (48 ways) the sweep is
+    # valid; the pipeline's validate, whose form sets the batch, refuses 16 there.
+    from operators.pipeline.form import RunConfigError
+    from operators.sweep_tasks import ValidateSweepOperator
+    from operators.validate import ValidateRunOperator
+
+    tpu = {"accelerator": "v5e", "topology": "4x4", "slices": 3}
+    params = sweep_params(budgets=[1e14, 3e14, 1e15], forecast_budgets=[1e16], **tpu)
+    ValidateSweepOperator(task_id="validate").check(params)
+    with pytest.raises(RunConfigError, match="batch_size: 16 is not divisible by the data-par"):
+        ValidateRunOperator(task_id="validate").check(params)
