@@ -227,6 +227,8 @@ class Check:
     value: float | None
     passed: bool
     note: str = ""
+    # Not judged (measured on other data than what it would be compared with): never a pass.
+    skipped: bool = False
 
     @property
     def shortfall(self) -> float | None:
@@ -236,6 +238,8 @@ class Check:
         return diff if self.op == "<=" else -diff
 
     def outcome(self) -> str:
+        if self.skipped:
+            return f"not compared: {self.note}"
         if self.passed:
             text = "pass"
             if self.shortfall is not None:
@@ -255,6 +259,7 @@ class Check:
             "passed": self.passed,
             "shortfall": self.shortfall,
             "note": self.note,
+            "skipped": self.skipped,
         }
 
 
@@ -304,10 +309,14 @@ class Decision:
             return "passed: no criterion set" + (
                 " (worse than the model it replaces)" if self.warning else ""
             )
+        judged = [c for c in self.checks if not c.skipped]
         if self.passed:
-            return f"passed: {len(self.checks)} criteria"
+            skipped = len(self.checks) - len(judged)
+            return f"passed: {len(judged)} criteria" + (
+                f" ({skipped} not compared)" if skipped else ""
+            )
         names = ", ".join(c.criterion for c in self.failed)
-        return f"failed {len(self.failed)} of {len(self.checks)} criteria: {names}"
+        return f"failed {len(self.failed)} of {len(judged)} criteria: {names}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -367,8 +376,9 @@ def _regression_checks(margin: float, metrics: Metrics, baseline: Promotion | No
     checks: list[Check] = []
 
     def other_data(name: str) -> Check | None:
-        """A failing row where the two values of ``name`` were measured on different data
-        (another held-out text, tokenizer, max_tokens, task set or limit): not comparable."""
+        """A skipped row where the two values of ``name`` were measured on different data
+        (another held-out text, tokenizer, max_tokens, task set or limit): not comparable, so
+        not compared; shown, so that nobody takes it for a pass."""
         now, was = metrics.measured.get(name), before.measured.get(name)
         if now is None or was is None or now == was:
             return None  # the same, or not recorded (a promotion from before it was kept)
@@ -378,8 +388,9 @@ def _regression_checks(margin: float, metrics: Metrics, baseline: Promotion | No
             "<=" if store else ">=",
             None,
             None,
-            False,
-            f"not comparable: measured on {now}, the promoted model on {was}",
+            True,
+            f"measured on {now}, the promoted model on {was}",
+            skipped=True,
         )
 
     # Per store and per task, over those both have: a mean over different sources (another
@@ -411,8 +422,13 @@ def _regression_checks(margin: float, metrics: Metrics, baseline: Promotion | No
                 f"{task} acc vs promoted", ">=", limit, now, now >= limit, f"promoted {_num(was)}"
             )
         )
-    if not checks:
+    if not [c for c in checks if not c.skipped]:
         # A regression criterion that compares nothing would pass silently.
+        why = (
+            "every one in common was measured on other data"
+            if checks
+            else "no held-out store or task in common"
+        )
         checks.append(
             Check(
                 "no regression vs the promoted model",
@@ -420,7 +436,8 @@ def _regression_checks(margin: float, metrics: Metrics, baseline: Promotion | No
                 margin,
                 None,
                 False,
-                f"no held-out store or task in common with {baseline.describe()}",
+                f"{why} with {baseline.describe()}; to start a new baseline, promote once "
+                "without gate_max_regression",
             )
         )
     return checks
