@@ -612,6 +612,7 @@ def test_explicit_google_service_account() -> None:
             {"commonLabels": {"app.kubernetes.io/name": "other"}},
             "invalid propertyName 'app.kubernetes.io/name'",
         ),
+        ({"commonLabels": {"helm.sh/chart": "mine"}}, "invalid propertyName 'helm.sh/chart'"),
         ({"kueue": {"localQueue": {"name": "q" * 64}}}, "/kueue/localQueue/name"),
         ({"schedules": {"pipeline": "@sometimes"}}, "/schedules/pipeline"),
     ],
