@@ -381,9 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:  # sentencepiece's parse error
             raise GenerateError(f"tokenizer: {args.tokenizer} is not a sentencepiece model") from e
         if tokenizer.vocab_size() != vocab:
+            # A model padded past its tokenizer could sample an id no piece decodes.
             raise GenerateError(
                 f"tokenizer: vocabulary size {tokenizer.vocab_size()} ({args.tokenizer}) does "
-                f"not match the checkpoint's {vocab} embedding rows"
+                f"not match the checkpoint's {vocab} embedding rows (generation needs a piece "
+                "for every row)"
             )
         if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
             raise GenerateError("need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1")
