@@ -232,10 +232,11 @@ class MoE(eqx.Module):
         return max(1, math.ceil(m.capacity_factor * group * m.top_k / m.num_experts))
 
     def __call__(
-        self, x: Array, bias: Array, valid: Array | None = None
+        self, x: Array, bias: Array, valid: Array | None = None, route_rows: bool = False
     ) -> tuple[Array, dict[str, Array]]:
         """x (B, S, D), the router bias (E,), ``valid`` (B, S) bool or None (every token) ->
-        (B, S, D) and the routing stats."""
+        (B, S, D) and the routing stats. ``route_rows``: each row is a routing group of its own
+        (benchmark scoring: a request then competes for capacity with nothing else)."""
         b, s, d = x.shape
         m = self.moe
         # routing groups: runs of gs consecutive tokens, row-major. The trainer and evaluator set
@@ -243,7 +244,7 @@ class MoE(eqx.Module):
         # rows are split into contiguous blocks over the devices, so group g is device g's shard
         # and each quantile is taken over a device's tokens without crossing devices. 0 (a
         # direct call): all the tokens of the call are one group.
-        gs = m.group_size or b * s
+        gs = s if route_rows else (m.group_size or b * s)
         xg = x.reshape(b * s // gs, gs, d)
         cap = self.capacity(gs)
         logits = jnp.einsum("gtd,de->gte", xg.astype(jnp.float32), self.router)
@@ -314,15 +315,16 @@ class Block(eqx.Module):
         positions: Array,
         bias: Array,
         valid: Array | None = None,
+        route_rows: bool = False,
     ) -> tuple[Array, dict[str, Array]]:
         """Pre-norm residual block: x (B, S, D), segments and positions (B, S), the MoE router
-        bias (E,), the tokens that take expert capacity (B, S; None: all) -> (B, S, D) and the
-        MoE stats (empty for a dense block)."""
+        bias (E,), the tokens that take expert capacity (B, S; None: all), each row its own
+        routing group or not -> (B, S, D) and the MoE stats (empty for a dense block)."""
         with jax.named_scope("block"):
             x = x + self.attn(self.attn_norm(x), segments, positions)
             if isinstance(self.mlp, MoE):
                 with jax.named_scope("moe"):
-                    y, stats = self.mlp(self.mlp_norm(x), bias, valid)
+                    y, stats = self.mlp(self.mlp_norm(x), bias, valid, route_rows)
             else:
                 y, stats = self.mlp(self.mlp_norm(x)), {}
             return x + y, stats
@@ -355,11 +357,12 @@ class Transformer(eqx.Module):
         router_bias: Array | None = None,
         dtype: jnp.dtype = jnp.float32,
         valid: Array | None = None,
+        route_rows: bool = False,
     ) -> tuple[Array, dict[str, Array]]:
         """tokens, segments, positions: (B, S) -> final-normed hidden states (B, S, D) in
         ``dtype``, per-layer MoE stats. The output projection is ``head()``. ``valid`` (B, S)
         bool: the tokens that take MoE expert capacity (an evaluation's padding does not);
-        None: all of them."""
+        None: all of them. ``route_rows``: each row its own MoE routing group (scoring)."""
         cfg = self.cfg
         x = jnp.take(self.embed, tokens, axis=0).astype(dtype)
         params, static = eqx.partition(self.layers, eqx.is_array)
@@ -368,7 +371,7 @@ class Transformer(eqx.Module):
 
         def body(h, xs):
             p, bias = xs
-            return eqx.combine(p, static)(h, segments, positions, bias, valid)
+            return eqx.combine(p, static)(h, segments, positions, bias, valid, route_rows)
 
         if cfg.remat:
             body = jax.checkpoint(body)

@@ -76,14 +76,15 @@ def _token_scores(
     target == argmax (B, L).
 
     One document per row (segment 0), positions from 0; padding at the end of a row is never
-    attended to by the tokens before it, and takes no MoE expert capacity (a request scores the
-    same whatever it is batched with). The logits are computed ``LOGIT_CHUNK`` positions at a
-    time so a large vocabulary never materializes (B, L, V) at once."""
+    attended to by the tokens before it. An MoE model routes each row as its own group, and
+    padding takes no expert capacity, so a request scores the same whatever it is batched
+    with. The logits are computed ``LOGIT_CHUNK`` positions at a time so a large vocabulary
+    never materializes (B, L, V) at once."""
     b, s = tokens.shape
     segments = jnp.zeros((b, s), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     valid = positions < lengths
-    x, _ = params.hidden(tokens, segments, positions, router_bias, dtype, valid)
+    x, _ = params.hidden(tokens, segments, positions, router_bias, dtype, valid, route_rows=True)
     head = params.head().astype(dtype)
     chunk = math.gcd(s, LOGIT_CHUNK)  # a divisor of s: buckets are powers of two, max_len any
     n = s // chunk
