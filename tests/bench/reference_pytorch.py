@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -120,6 +121,16 @@ class Llama(nn.Module):
         self.head = nn.Linear(d, mcfg.vocab_size, bias=False)
         if mcfg.tie_embeddings:  # one (V, D) parameter for both, as ours (head = embed^T)
             self.head.weight = self.embed.weight
+        # Initialised as ours (trainer/model.py): N(0, init_std), the residual outputs scaled
+        # by 1/sqrt(2 layers). PyTorch's own defaults (N(0, 1) embeddings, which a tied head
+        # reuses) start at a loss near 500 and fill the gradients with denormals, which cost
+        # PyTorch 4x on some CPUs: a comparison of speed, not of initialisations.
+        out_std = mcfg.init_std / math.sqrt(2 * mcfg.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            std = out_std if name.endswith(("out.weight", "down.weight")) else mcfg.init_std
+            nn.init.normal_(param, 0.0, std)
         inv = 1.0 / mcfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
         ang = torch.arange(seq).float()[:, None] * inv[None]
         self.register_buffer("cos", ang.cos())
@@ -134,6 +145,9 @@ class Llama(nn.Module):
 
 
 def torch_step(mcfg, seq: int, compiled: bool):
+    # XLA:CPU flushes denormals to zero; PyTorch computes with them (slowly, on many CPUs)
+    # unless told: the same arithmetic on both sides.
+    torch.set_flush_denormal(True)
     torch.manual_seed(0)
     model = Llama(mcfg, seq)
     n = sum(p.numel() for p in model.parameters())
