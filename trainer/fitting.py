@@ -295,7 +295,7 @@ class ParametricFit:
     B: float
     alpha: float
     beta: float
-    loss: float  # the objective at the optimum (sum of Huber losses)
+    loss: float  # the objective at the optimum: the sum of Huber losses, in units of delta
     cells: tuple[str, ...] = ()
     excluded: tuple[Exclusion, ...] = ()
     flops_per_param_token: float = 6.0  # C = k N D, for the compute-optimal split
@@ -472,9 +472,14 @@ def bootstrap(
 ) -> Bootstrap:
     """Refit ``fit`` on ``samples`` resamples of the usable ``cells`` (within each budget,
     with replacement: every resample draws from each of the sweep's budgets) and give
-    percentile intervals. A refit may leave a budget out where its resample no longer brackets
-    a minimum, as the point fit would have: those refits count, so a grid whose minima sit
-    near its edge shows as wide intervals rather than being hidden by conditioning on them.
+    percentile intervals of the refits that succeed (``failed`` counts the others; too few
+    successes and there are no intervals). A resample draws sizes with replacement, so it can
+    lose a budget's lowest cell or its neighbour: approach 2 then leaves that budget out, or
+    fails when fewer than 2 remain. Its intervals are therefore of refits through fewer
+    budgets than the point fit, conditioned on success: on a grid whose minima sit near its
+    edge (the demo's), most refits use 2 of 3 budgets and the point estimate can sit at the
+    edge of its own interval. They are confidence intervals of the fitted law, without the
+    forecast run's own seed noise, not prediction intervals.
 
     ``fit`` is :func:`fit_isoflop`, or :func:`fit_parametric` (pass a warm-started one, e.g.
     ``functools.partial(fit_parametric, starts=[point_estimate_start])``, for speed).
