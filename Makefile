@@ -132,9 +132,14 @@ format: install
 
 bench: install datatrove-venv torch-venv
 	@# As modules from the checkout's root: the benchmarks share tests/support with the tests.
-	@for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) -m tests.bench.$$(basename $$b .py) || exit 1; done
-	@# the trainer against PyTorch eager and compiled, every shape (issue 18's ratios)
-	@echo "== tests/bench/reference_pytorch.py"; $(TORCH_VENV)/bin/python -m tests.bench.reference_pytorch
+	@# Every benchmark runs and prints its ratios; one that fails (or finds outputs that
+	@# differ from its baseline's) fails `make bench` at the end, naming it.
+	@failed=""; \
+	for b in tests/bench/bench_*.py; do echo "== $$b"; \
+		$(PY) -m tests.bench.$$(basename $$b .py) || failed="$$failed $$b"; done; \
+	echo "== tests/bench/reference_pytorch.py"; \
+	$(TORCH_VENV)/bin/python -m tests.bench.reference_pytorch || failed="$$failed reference_pytorch"; \
+	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
 
 # The PyTorch reference the trainer's MFU target is set against (tests/bench/reference_pytorch.py).
 # PyTorch is no dependency of Slipway: it goes into its own venv, which sees .venv's packages
