@@ -25,8 +25,11 @@ executors' runs); peak MB is the child's ``VmHWM`` at exit (its peak resident me
 ``ru_maxrss`` from ``os.wait4``, which on Linux includes the forking parent's RSS). Ours: ``python -m
 pipelines.<stage>`` (in-process DirectRunner, 4 output shards, ``pipelines/demo_config.json``);
 DataTrove: ``tests/bench/datatrove_side.py`` with ``.venv-datatrove``'s python,
-``LocalPipelineExecutor`` with ``workers=1`` (tasks in sequence, in process: one core, as our
-DirectRunner). docs/s and the ratio use wall seconds; the ratio is ours / DataTrove's docs/s.
+``LocalPipelineExecutor`` with ``workers=1`` (tasks in sequence, in process). Our in-process
+DirectRunner is one thread too, but for its shard writer, which gzips on a second thread (zlib
+releases the GIL): on these 2 cores that is up to ~1.5 s of fuzzy dedup's work beside the
+stage (docs/benchmarks.md). docs/s and the ratio use wall seconds; the ratio is ours /
+DataTrove's docs/s.
 
 **Stages and what differs** (DataTrove 0.10.1):
 
