@@ -396,17 +396,20 @@ def _run_form(**conf: Any) -> dict[str, Any]:
     return params.validate()
 
 
+def _gke_platform(monkeypatch) -> None:
+    """A platform's trainer image and training namespace, pre-filled into the form's gke
+    object: a gke run without a namespace is refused (validate, and the launch's policy)."""
+    monkeypatch.setenv("SLIPWAY_TRAINER_IMAGE", "us-docker.pkg.dev/proj/slipway/trainer:1")
+    monkeypatch.setenv("SLIPWAY_TRAINING_NAMESPACE", "slipway-training")
+
+
 def test_multislice_v5p_manifest_carries_the_matching_mesh(monkeypatch):
     """The rendered GKE JobSet of an 8b run on 2 v5p slices: replica across the slices, the
     parameters sharded (fsdp) inside each, and the megascale settings the mesh relies on."""
     from operators.launching import trainer_launch
     from trainer.distributed import mesh_shape
 
-    monkeypatch.setenv("SLIPWAY_TRAINER_IMAGE", "us-docker.pkg.dev/proj/slipway/trainer:1")
-    # The platform's training namespace, pre-filled into the form's gke object: a gke run
-    # without one is refused (validate, and the launch's policy check).
-    monkeypatch.setenv("SLIPWAY_TRAINING_NAMESPACE", "slipway-training")
-
+    _gke_platform(monkeypatch)
     params = _run_form(
         model_preset="8b",
         accelerator="v5p",
@@ -548,8 +551,7 @@ def test_a_sweep_cells_jobset_renders_with_its_step_named_in_a_label(monkeypatch
     from operators.launching import gke_launch_options, trainer_launch
     from operators.steps import Step, resolve
 
-    monkeypatch.setenv("SLIPWAY_TRAINER_IMAGE", "us-docker.pkg.dev/proj/slipway/trainer:1")
-    monkeypatch.setenv("SLIPWAY_TRAINING_NAMESPACE", "slipway-training")
+    _gke_platform(monkeypatch)
     params = _run_form(
         backend="gke",
         accelerator="v5e",
