@@ -137,6 +137,12 @@ class Metrics:
             return None
         return sum(self.bits_per_byte.values()) / len(self.bits_per_byte)
 
+    def same_data(self, other: Metrics, name: str) -> bool:
+        """Whether ``name`` was measured on the same data here and in ``other``; also when
+        either did not record it (a promotion from before ``measured`` was kept)."""
+        here, there = self.measured.get(name), other.measured.get(name)
+        return here is None or there is None or here == there
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "bits_per_byte": dict(self.bits_per_byte),
@@ -379,9 +385,9 @@ def _regression_checks(margin: float, metrics: Metrics, baseline: Promotion | No
         """A skipped row where the two values of ``name`` were measured on different data
         (another held-out text, tokenizer, max_tokens, task set or limit): not comparable, so
         not compared; shown, so that nobody takes it for a pass."""
-        now, was = metrics.measured.get(name), before.measured.get(name)
-        if now is None or was is None or now == was:
-            return None  # the same, or not recorded (a promotion from before it was kept)
+        if metrics.same_data(before, name):
+            return None
+        now, was = metrics.measured[name], before.measured[name]
         store = name.startswith(HELDOUT_PREFIX)
         return Check(
             f"{name} {'bits/byte' if store else 'acc'} vs promoted",
@@ -475,11 +481,10 @@ def _worse_than(metrics: Metrics, baseline: Promotion | None) -> str | None:
     if baseline is None:
         return None
     before = baseline.metrics.bits_per_byte
-    was_on, now_on = baseline.metrics.measured, metrics.measured
     shared = sorted(
         s
         for s in set(metrics.bits_per_byte) & set(before)
-        if s not in was_on or s not in now_on or was_on[s] == now_on[s]  # the same data
+        if metrics.same_data(baseline.metrics, s)
     )
     if not shared:
         return None
