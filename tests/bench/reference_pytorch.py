@@ -17,13 +17,18 @@ target: at least 1.3x compiled PyTorch at every shape). Rounds: ``--rounds``, fe
 
 The PyTorch model is the generous side of the comparison: plain causal attention
 (``scaled_dot_product_attention(is_causal=True)``, no document masking) and the logits
-materialized once (no chunking).
+materialized once (no chunking). Compiled PyTorch runs twice: with ATen's float32 multiply
+(MKL's sgemm in the PyPI wheel) and with every linear layer on oneDNN (``OneDNNLinear``). On an
+AMD CPU MKL's sgemm runs at about half of oneDNN's and of ``jnp.dot``'s, so ATen alone would
+make a slow baseline; on an Intel CPU MKL may be the faster one. The target is against the
+faster of the two, per round.
 
 Needs PyTorch beside the project's environment: ``.venv-pytorch`` (the project's ``.venv`` plus
 ``torch``; PyTorch is no dependency of Slipway), which ``make bench`` and ``make bench-pytorch``
 create and run this with. Results: ``docs/benchmarks.md`` (trainer).
 """
 
+# ruff: noqa: E402  (the allocator settings below must precede torch's and jax's imports)
 from __future__ import annotations
 
 import argparse
@@ -39,6 +44,13 @@ import time
 # step that follows (and vice versa for XLA's pool); must be set before torch is imported
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from trainer import hostmem
+
+# Before torch's import starts threads: a thread that allocated before it has its own malloc
+# arena, XLA's workers then share those arenas, and a non-main arena maps the step's 2.4 GB of
+# temporaries afresh every few steps (600,000 page faults, up to 2x a hidden-512 step)
+hostmem.keep_step_memory_warm()
+
 import jax
 import numpy as np
 import torch
@@ -49,10 +61,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_trainer import SHAPES, VOCAB, MatmulPeak, Peak, preset_config
 
 from tests.support.trainer_data import write_random_store
-from trainer import hostmem, vector_width
+from trainer import vector_width
 from trainer.shapes import flops_per_token, param_count
 from trainer.train import BatchFeeder, setup
 
+# (name, torch.compile, linears on oneDNN); the target is against the faster compiled one
+VARIANTS = (
+    ("pytorch eager", False, False),
+    ("pytorch compiled", True, False),
+    ("pytorch compiled, oneDNN linears", True, True),
+)
 PEAK_SAMPLE_MAX_S = 2.0  # a peak sample lasts as long as the last step, up to this
 MIN_ROUNDS = 7
 
@@ -68,6 +86,72 @@ class TorchPeak(MatmulPeak):
     def _products(self) -> None:
         for _ in range(self.batch):
             torch.mm(self.a, self.b)
+
+
+# An opaque op, so inductor calls it as it is (its own lowering of ``_linear_pointwise``
+# expects a weight packed ahead of time, which training's changing weights are not)
+@torch.library.custom_op("slipway_bench::onednn_linear", mutates_args=())
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` by oneDNN's float32 inner product; x (..., in), w (out, in)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+class _OneDNNLinearFn(torch.autograd.Function):
+    """A bias-free linear whose forward and both backward products run on oneDNN.
+
+    ATen sends float32 ``mm`` to the wheel's BLAS (MKL) whatever the CPU; oneDNN reads strided
+    operands, so the transposes below are views, not copies.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _onednn_linear(x, w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        grad_x = _onednn_linear(grad, w.t())  # (..., out) @ (out, in)
+        grad_w = _onednn_linear(grad.flatten(0, -2).t(), x.flatten(0, -2).t())  # (out, in)
+        return grad_x, grad_w
+
+
+class OneDNNLinear(nn.Linear):
+    """``nn.Linear`` (no bias) on oneDNN; swapped in by ``use_onednn_linears``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OneDNNLinearFn.apply(x, self.weight)
+
+
+def check_onednn_linear() -> None:
+    """Refuse to time ``OneDNNLinear`` unless its output and both gradients match ATen's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 48, 64, generator=g, requires_grad=True)
+    w = torch.randn(96, 64, generator=g, requires_grad=True)
+    grad = torch.randn(2, 48, 96, generator=g)
+    got = [
+        _OneDNNLinearFn.apply(x, w),
+        *torch.autograd.grad(_OneDNNLinearFn.apply(x, w), (x, w), grad),
+    ]
+    want = [F.linear(x, w), *torch.autograd.grad(F.linear(x, w), (x, w), grad)]
+    for what, a, b in zip(("output", "input grad", "weight grad"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"OneDNNLinear {what}")
+
+
+def use_onednn_linears(model: nn.Module) -> None:
+    """Run every linear layer of ``model`` on oneDNN, parameters (and ties) unchanged."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            assert module.bias is None, "OneDNNLinear has no bias"
+            module.__class__ = OneDNNLinear
 
 
 class RMSNorm(nn.Module):
@@ -144,12 +228,14 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def torch_step(mcfg, seq: int, compiled: bool):
+def torch_step(mcfg, seq: int, compiled: bool, onednn: bool = False):
     # XLA:CPU flushes denormals to zero; PyTorch computes with them (slowly, on many CPUs)
     # unless told: the same arithmetic on both sides.
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
     model = Llama(mcfg, seq)
+    if onednn:
+        use_onednn_linears(model)
     n = sum(p.numel() for p in model.parameters())
     # same shapes as ours, or the shared FLOPs count would flatter one side
     assert n == param_count(mcfg), f"PyTorch model has {n:,} parameters, ours {param_count(mcfg):,}"
@@ -187,8 +273,8 @@ def bench_preset(preset: str, store: str, out: str, rounds: int, budget_s: float
         jax.block_until_ready(m)
 
     steps = {"jax (ours)": ours}
-    for name, compiled in (("pytorch eager", False), ("pytorch compiled", True)):
-        fn = torch_step(run.mcfg, seq, compiled)
+    for name, compiled, onednn in VARIANTS:
+        fn = torch_step(run.mcfg, seq, compiled, onednn)
         steps[name] = lambda fn=fn: fn(tokens, targets)
     warm: dict[str, float] = {}
     for name, fn in list(steps.items()):  # compile and warm up
@@ -196,7 +282,7 @@ def bench_preset(preset: str, store: str, out: str, rounds: int, budget_s: float
             for _ in range(3):
                 warm[name] = _timed(fn)
         except Exception as e:  # inductor needs a C++ compiler: report, keep the rest
-            if name != "pytorch compiled":
+            if not name.startswith("pytorch compiled"):
                 raise
             print(f"{name}: skipped, torch.compile failed: {type(e).__name__}: {e}"[:500])
             del steps[name]
@@ -220,6 +306,7 @@ def bench_preset(preset: str, store: str, out: str, rounds: int, budget_s: float
     feeder.close()
     ours_t = statistics.median(times["jax (ours)"])
     tokens = batch_size * seq
+    compiled = [ts for name, ts in times.items() if name.startswith("pytorch compiled")]
     return {
         "preset": preset,
         "seq_len": seq,
@@ -246,6 +333,13 @@ def bench_preset(preset: str, store: str, out: str, rounds: int, budget_s: float
             }
             for name, ts in times.items()
         },
+        # issue 18's ratio: ours over the faster compiled PyTorch of each round (None when
+        # torch.compile failed)
+        "ours_vs_best_compiled": statistics.median(
+            min(ts) / o for *ts, o in zip(*compiled, times["jax (ours)"], strict=True)
+        )
+        if compiled
+        else None,
     }
 
 
@@ -265,6 +359,14 @@ def table(rows: list[dict]) -> str:
                 f"{s['ours_speedup']:.2f}x | {r['jnp_dot_peak_gflops']:.0f} / "
                 f"{r['torch_mm_peak_gflops']:.0f} | {r['rounds']} |"
             )
+    best = [
+        f"{r['preset']} {r['ours_vs_best_compiled']:.2f}x"
+        for r in rows
+        if r["ours_vs_best_compiled"] is not None
+    ]
+    if best:
+        lines.append("")
+        lines.append("ours / the faster compiled PyTorch (paired): " + ", ".join(best))
     return "\n".join(lines)
 
 
@@ -282,7 +384,7 @@ def main() -> None:
     )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    hostmem.keep_step_memory_warm()  # as the trainer and bench_trainer.py do on a CPU
+    check_onednn_linear()
     wide = vector_width.prefer_host_vector_width()
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), jax {jax.__version__}, "
