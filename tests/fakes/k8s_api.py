@@ -13,7 +13,10 @@ object shapes:
 * ``/api/v1/namespaces/{ns}/pods/{name}/log?tailLines=N`` -- text/plain.
 
 Errors are ``Status`` objects (401 ``Unauthorized``, 403 ``Forbidden``, 404 ``NotFound``, 409
-``AlreadyExists``/``Conflict``, 500 ``InternalError``...). Every request must carry
+``AlreadyExists``/``Conflict``, 422 ``Invalid``, 500 ``InternalError``...). A created JobSet
+is validated as the API server validates it (:func:`invalid_fields`): its name, the vendored
+JobSet CRD's schema, and the labels and annotation keys of its own and its templates' metadata;
+a body the server would refuse is answered 422 and not created. Every request must carry
 ``Authorization: Bearer <token>`` with a token in :attr:`tokens`: tests rotate it to exercise
 credential refresh.
 
@@ -22,20 +25,23 @@ with the next ``restart-attempt``), :meth:`complete`, :meth:`fail` (a reason and
 :meth:`set_condition`, :meth:`log` (lines in the leader pod's log), :meth:`delete` (from
 outside), :meth:`inject` (the next
 matching requests fail with a given status), :attr:`hold_deletions` (foreground deletion stays
-pending until :meth:`finish_deletions`). :attr:`created` keeps every accepted POST body as
+pending until :meth:`finish_deletions`), :attr:`on_create` (called with the namespace and the
+new object after each JobSet is created, before the POST is answered: a controller that acts at
+once, e.g. runs a short JobSet to its end). :attr:`created` keeps every accepted POST body as
 received; :attr:`deletions` every DELETE's options; :attr:`requests` every request.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,6 +64,14 @@ _JOBSETS = re.compile(
 _PODS = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods$")
 _POD_LOG = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/log$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# ObjectMeta's rules (apimachinery validation), matched with fullmatch.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_VALUE_RE = "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
+_LABEL_VALUE = re.compile(_LABEL_VALUE_RE)
+_NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+# The JobSet CRD the clusters run (operators/jobset/crd/README.md): its OpenAPI schema is what
+# the API server checks a JobSet's body against.
+CRD_FILE = Path(__file__).resolve().parents[2] / "operators/jobset/crd/jobset.x-k8s.io_jobsets.yaml"
 
 
 def _now() -> str:
@@ -138,6 +152,7 @@ class FakeKubernetesApiServer:
         self.created: list[dict[str, Any]] = []
         self.deletions: list[dict[str, Any]] = []
         self.hold_deletions = False
+        self.on_create: Callable[[str, dict[str, Any]], None] | None = None
         self.min_watch_version = 0  # watches from below this get a 410 Expired ERROR event
         self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, ns, type, obj)
         self._injected: list[Injected] = []
@@ -477,6 +492,15 @@ class FakeKubernetesApiServer:
         name = meta.get("name", "")
         if not _DNS_LABEL.match(name) or len(name) > 63:
             raise ApiError(422, f'JobSet.{GROUP} "{name}" is invalid: metadata.name')
+        if problems := invalid_fields(body):
+            raise ApiError(
+                422,
+                f'JobSet.{GROUP} "{name}" is invalid: ' + "; ".join(problems),
+                name=name,
+                group=GROUP,
+                kind="JobSet",
+                causes=[{"reason": "FieldValueInvalid", "message": p} for p in problems],
+            )
         if meta.get("namespace", ns) != ns:
             raise ApiError(
                 400,
@@ -520,7 +544,10 @@ class FakeKubernetesApiServer:
         self._make_pods(obj, 0)
         self.jobsets[(ns, name)] = obj
         self._changed(ns, obj, "ADDED")
-        return copy.deepcopy(obj)
+        answer = copy.deepcopy(obj)  # as created: what the controller does next is not in it
+        if self.on_create is not None:
+            self.on_create(ns, copy.deepcopy(obj))
+        return answer
 
     def _delete(
         self, ns: str, name: str, query: Mapping[str, str], options: Mapping[str, Any]
@@ -734,3 +761,113 @@ def _parse_selector(selector: str) -> dict[str, str]:
             raise ApiError(400, f"unsupported label selector {part!r} (the fake knows k=v)")
         wanted[key.strip()] = value.lstrip("=").strip()
     return wanted
+
+
+# -- what the API server refuses at create (422 Invalid) ---------------------------------------
+
+
+def invalid_fields(body: Mapping[str, Any]) -> list[str]:
+    """Why the API server would refuse this JobSet (none: it is accepted), in its words.
+
+    * The body against the JobSet CRD's OpenAPI schema (types, enums, required fields,
+      bounds), as the server validates a custom resource. Unknown fields are not refused: the
+      server prunes them (with a warning), and this fake keeps the body as sent.
+    * ObjectMeta's rules for the JobSet's labels (keys: qualified names; values: at most 63
+      characters of letters, digits, '-', '_' and '.', starting and ending with a letter or
+      digit) and annotation keys; and the same for the Job and pod templates' metadata,
+      which the JobSet controller's Jobs and pods would be refused for. Nothing is scheduled
+      here, so this fake refuses those at create too instead of leaving the JobSet stuck.
+    """
+    problems = [
+        f"{'.'.join(map(str, e.absolute_path)) or '<body>'}: {e.message}"
+        for e in _crd_validator().iter_errors(body)
+    ]
+    problems += _meta_problems(body.get("metadata"), "metadata")
+    spec = body.get("spec") if isinstance(body.get("spec"), Mapping) else {}
+    for i, rjob in enumerate(spec.get("replicatedJobs") or ()):
+        if not isinstance(rjob, Mapping):
+            continue
+        job = rjob.get("template") if isinstance(rjob.get("template"), Mapping) else {}
+        path = f"spec.replicatedJobs[{i}].template"
+        problems += _meta_problems(job.get("metadata"), f"{path}.metadata")
+        job_spec = job.get("spec") if isinstance(job.get("spec"), Mapping) else {}
+        pod = job_spec.get("template")
+        if isinstance(pod, Mapping):
+            problems += _meta_problems(pod.get("metadata"), f"{path}.spec.template.metadata")
+    return problems
+
+
+def _meta_problems(meta: Any, path: str) -> list[str]:
+    if not isinstance(meta, Mapping):
+        return []
+    problems = []
+    labels = meta.get("labels") or {}
+    for key, value in labels.items():
+        problems += [f"{path}.labels: {p}" for p in _qualified_name_problems(key)]
+        if not isinstance(value, str):
+            problems.append(f"{path}.labels: Invalid value: {value!r}: must be a string")
+            continue
+        if len(value) > 63:
+            problems.append(
+                f'{path}.labels: Invalid value: "{value}": must be no more than 63 characters'
+            )
+        if not _LABEL_VALUE.fullmatch(value):
+            problems.append(
+                f'{path}.labels: Invalid value: "{value}": a valid label must be an empty '
+                "string or consist of alphanumeric characters, '-', '_' or '.', and must start "
+                "and end with an alphanumeric character (regex used for validation is "
+                f"'{_LABEL_VALUE_RE}')"
+            )
+    for key in meta.get("annotations") or {}:
+        problems += [f"{path}.annotations: {p}" for p in _qualified_name_problems(key)]
+    return problems
+
+
+def _qualified_name_problems(key: Any) -> list[str]:
+    if not isinstance(key, str) or not key:
+        return [f"Invalid value: {key!r}: name part must be non-empty"]
+    if key.count("/") > 1:
+        return [
+            f'Invalid value: "{key}": a qualified name must consist of an optional DNS '
+            "subdomain prefix, '/' and a name"
+        ]
+    prefix, slash, name = key.rpartition("/")
+    problems = []
+    if slash and (not _DNS_SUBDOMAIN.fullmatch(prefix) or len(prefix) > 253):
+        problems.append(
+            f'Invalid value: "{key}": prefix part a lowercase RFC 1123 subdomain must consist '
+            "of lower case alphanumeric characters, '-' or '.', and must start and end with an "
+            "alphanumeric character"
+        )
+    if len(name) > 63 or not _NAME_PART.fullmatch(name):
+        problems.append(
+            f'Invalid value: "{key}": name part must consist of alphanumeric characters, '
+            "'-', '_' or '.', and must start and end with an alphanumeric character, at most "
+            "63 characters"
+        )
+    return problems
+
+
+@functools.cache
+def _crd_validator() -> Any:
+    """The CRD's v1alpha2 schema as a validator (loaded once per process: the file is 800 kB)."""
+    import jsonschema
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load(CRD_FILE.read_text(), Loader=loader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    schema = _int_or_string(version["schema"]["openAPIV3Schema"])
+    return jsonschema.Draft7Validator(schema)
+
+
+def _int_or_string(schema: Any) -> Any:
+    """Spell out ``x-kubernetes-int-or-string`` (an integer or a string) for jsonschema."""
+    if isinstance(schema, list):
+        return [_int_or_string(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _int_or_string(v) for k, v in schema.items()}
+    if out.get("x-kubernetes-int-or-string") and "type" not in out and "anyOf" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out

@@ -18,42 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.k8s_api import FakeKubernetesApiServer
+from tests.support.gke import IMAGE, NS, Collect, run_trigger, trainer_writes_results
 from tests.support.tiny_pipeline import make_corpora, tiny_conf
 
-NS = "train"
-IMAGE = "us-docker.pkg.dev/proj/slipway/slipway-trainer:test"
-
-
-# -- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def fake():
-    with FakeKubernetesApiServer() as server:
-        yield server
-
-
-@pytest.fixture
-def kubeconfig(tmp_path, fake) -> Path:
-    return fake.write_kubeconfig(tmp_path / "kubeconfig")
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("SLIPWAY_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("SLIPWAY_LINEAGE_DB", raising=False)
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def gke_platform(kubeconfig, monkeypatch):
-    """The platform of these tests: it lets runs use the fake cluster's kubeconfig and the
-    namespace, service account and image below (operators/policy.py)."""
-    monkeypatch.setenv("SLIPWAY_ALLOWED_KUBECONFIGS", str(kubeconfig))
-    monkeypatch.setenv("SLIPWAY_ALLOWED_NAMESPACES", NS)
-    monkeypatch.setenv("SLIPWAY_ALLOWED_SERVICE_ACCOUNTS", "trainer")
-    monkeypatch.setenv("SLIPWAY_ALLOWED_IMAGES", IMAGE.rsplit(":", 1)[0])
+# -- fixtures (fake, kubeconfig, home and gke_platform: conftest.py) --------------------------
 
 
 @pytest.fixture
@@ -79,39 +47,6 @@ def params(tmp_path, kubeconfig, gke_platform):
 
 def _context(params, run_id="manual__gke"):
     return {"params": params, "run_id": run_id, "ti": None}
-
-
-class Collect:
-    """Stands in for the trigger's log: every line it would show in the task log."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, line: str) -> None:
-        self.lines.append(line)
-
-    def having(self, text: str) -> list[str]:
-        return [line for line in self.lines if text in line]
-
-
-def _run_trigger(trigger: Any, script: Callable[[], None] | None = None, timeout: float = 15):
-    """Run ``trigger.run()`` to its first event while ``script`` plays the controller."""
-
-    async def first_event() -> Any:
-        async for event in trigger.run():
-            return event
-        return None
-
-    async def main() -> Any:
-        task = asyncio.ensure_future(first_event())
-        if script is not None:
-            await asyncio.to_thread(script)
-        try:
-            return await asyncio.wait_for(task, timeout)
-        finally:
-            await trigger.cleanup()
-
-    return asyncio.run(main())
 
 
 def _trigger(handle, kubeconfig, lease=None, **kw):
@@ -174,7 +109,7 @@ def until(predicate: Callable[[], Any], timeout: float = 10.0) -> Callable[[], N
 def test_trigger_follows_restarts_and_logs_to_completion(fake, kubeconfig):
     handle = _submit(fake, kubeconfig)
     trigger, said = _trigger(handle, kubeconfig)
-    event = _run_trigger(
+    event = run_trigger(
         trigger,
         _later(
             lambda: fake.log(NS, handle.name, "step 1 loss 9.1", "step 2 loss 8.7"),
@@ -216,7 +151,7 @@ def test_trigger_follows_restarts_and_logs_to_completion(fake, kubeconfig):
 def test_trigger_reports_failure_with_reason_and_exit_codes(fake, kubeconfig):
     handle = _submit(fake, kubeconfig)
     trigger, said = _trigger(handle, kubeconfig)
-    event = _run_trigger(
+    event = run_trigger(
         trigger,
         _later(
             lambda: fake.restart(NS, handle.name),
@@ -245,7 +180,7 @@ def test_trigger_rides_out_api_errors_and_notices_deletion(fake, kubeconfig):
     trigger, said = _trigger(handle, kubeconfig)
     # 500s beyond one call's retries: the loop keeps going (a weeks-long run outlives blips).
     fake.inject(500, method="GET", path="/jobsets/", times=6, message="etcdserver: leader changed")
-    event = _run_trigger(
+    event = run_trigger(
         trigger,
         _later(lambda: fake.delete(NS, handle.name), every=0.8),
     )
@@ -257,7 +192,7 @@ def test_trigger_error_event_on_forbidden(fake, kubeconfig):
     handle = _submit(fake, kubeconfig)
     trigger, _ = _trigger(handle, kubeconfig)
     fake.inject(403, path="/jobsets/", times=1, message="jobsets is forbidden: User cannot get")
-    event = _run_trigger(trigger)
+    event = run_trigger(trigger)
     assert event.payload["event"] == "error"
     assert "forbidden (403)" in event.payload["message"]
     assert str(kubeconfig) in event.payload["message"]  # names the credentials source
@@ -287,7 +222,7 @@ def test_trigger_survives_a_serialize_round_trip(fake, kubeconfig, tmp_path):
     rebuilt.lease = None
     rebuilt._say = Collect()
     fake.restart(NS, handle.name)
-    event = _run_trigger(rebuilt, _later(lambda: fake.complete(NS, handle.name)))
+    event = run_trigger(rebuilt, _later(lambda: fake.complete(NS, handle.name)))
     assert event.payload["status"]["restarts"] == 1
     assert rebuilt._say.having("has restarted 1 time(s) so far")
 
@@ -338,20 +273,6 @@ def _executions(home, state=None):
         return [n.execution for n in graph.steps if state is None or n.execution.state == state]
 
 
-def _trainer_writes_results(out: str, steps: int = 6) -> None:
-    """What the trainer's pods would have written to the (shared) step directory."""
-    root = Path(out)
-    with (root / "metrics.jsonl").open("w") as f:
-        for step in range(1, steps + 1):
-            f.write(json.dumps({"step": step, "loss": 10.0 - step}) + "\n")
-    ckpt = root / "checkpoints" / f"step-{steps:09d}"
-    ckpt.mkdir(parents=True)
-    (ckpt / "commit.json").write_text("{}")
-    (root / "result.json").write_text(
-        json.dumps({"status": "succeeded", "steps": steps, "params": 1234, "final_loss": 4.0})
-    )
-
-
 def _operator():
     from operators.training import TrainingOperator
 
@@ -388,9 +309,9 @@ def test_operator_defers_and_completes(fake, kubeconfig, home, params):
     trigger._say = Collect()
     before = marker["lease_expires_at"]
     fake.restart(NS, sent["metadata"]["name"])
-    event = _run_trigger(trigger, _later(lambda: fake.complete(NS, sent["metadata"]["name"])))
+    event = run_trigger(trigger, _later(lambda: fake.complete(NS, sent["metadata"]["name"])))
     assert _status(spec)[0]["lease_expires_at"] > before  # the trigger renewed it
-    _trainer_writes_results(spec.output_path)
+    trainer_writes_results(spec.output_path)
     result = op.execute_complete(_context(params), event.payload, **deferred.kwargs)
 
     assert result["outcome"] == "RAN"
@@ -415,7 +336,7 @@ def test_operator_failed_jobset_fails_step_and_lineage(fake, kubeconfig, home, p
     _, spec = _train_spec(params)
     name = fake.created[-1]["metadata"]["name"]
     fake.fail(NS, name, reason="ReachedMaxRestarts", exit_code=42)
-    event = _run_trigger(deferred.trigger)
+    event = run_trigger(deferred.trigger)
     with pytest.raises(TrainingFailed, match="ReachedMaxRestarts"):
         op.execute_complete(_context(params), event.payload, **deferred.kwargs)
     marker, _ = _status(spec)
@@ -497,7 +418,7 @@ def test_lease_taken_over_ends_the_trigger_without_deleting(fake, kubeconfig, ho
     # Another runner creates the next lease generation (as a takeover of a stale lease does).
     other = HeldLease(spec.output_path, spec.name, spec.version, "other", 1, 0.0, 60.0)
     assert other.acquire()
-    event = _run_trigger(deferred.trigger)
+    event = run_trigger(deferred.trigger)
     assert event.payload["event"] == "lease_lost"
     with pytest.raises(LeaseLost):
         op.execute_complete(_context(params), event.payload, **deferred.kwargs)
@@ -535,7 +456,7 @@ def test_a_follower_runs_the_step_when_the_owners_task_was_killed(fake, kubeconf
     _, spec = _train_spec(params)
     marker, _ = _status(spec)
     assert marker["status"] == "FAILED" and marker["terminated"] is True
-    seen = _run_trigger(follower.trigger)
+    seen = run_trigger(follower.trigger)
     assert seen.payload["event"] == "vanished"
     with pytest.raises(TaskDeferred) as again:
         second.execute_complete(_context(params, "manual__second"), seen.payload, **follower.kwargs)
@@ -554,10 +475,10 @@ def test_second_run_follows_the_owner_instead_of_waiting(fake, kubeconfig, home,
     assert len(fake.created) == 1  # one JobSet for one step
     _, spec = _train_spec(params)
     fake.complete(NS, fake.created[-1]["metadata"]["name"])
-    event = _run_trigger(first.trigger)
-    _trainer_writes_results(spec.output_path)
+    event = run_trigger(first.trigger)
+    trainer_writes_results(spec.output_path)
     owner.execute_complete(_context(params), event.payload, **first.kwargs)
-    seen = _run_trigger(follower.trigger)
+    seen = run_trigger(follower.trigger)
     result = second.execute_complete(
         _context(params, "manual__second"), seen.payload, **follower.kwargs
     )
@@ -596,8 +517,8 @@ def test_killing_a_follower_leaves_the_owners_jobset_training(fake, kubeconfig, 
     _, spec = _train_spec(params)
     assert _status(spec)[0]["status"] == "RUNNING"  # the owner still holds the step
     fake.complete(NS, name)
-    event = _run_trigger(first.trigger)
-    _trainer_writes_results(spec.output_path)
+    event = run_trigger(first.trigger)
+    trainer_writes_results(spec.output_path)
     assert owner.execute_complete(_context(params), event.payload, **first.kwargs)["steps"] == 6
 
 
@@ -625,10 +546,10 @@ def test_a_follower_does_not_rerun_the_owners_failure(fake, kubeconfig, home, pa
     first = _defer(owner, params)
     follower = _defer(second, params, run_id="manual__second")
     fake.fail(NS, fake.created[-1]["metadata"]["name"], "OOMKilled")  # the step's own failure
-    event = _run_trigger(first.trigger)
+    event = run_trigger(first.trigger)
     with pytest.raises(TrainingFailed):
         owner.execute_complete(_context(params), event.payload, **first.kwargs)
-    seen = _run_trigger(follower.trigger)
+    seen = run_trigger(follower.trigger)
     with pytest.raises(StepFailedElsewhere, match="OOMKilled"):
         second.execute_complete(_context(params, "manual__second"), seen.payload, **follower.kwargs)
     # ...and its timeout deletes nothing: the JobSet it followed was not its own.

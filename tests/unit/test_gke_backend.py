@@ -231,6 +231,54 @@ def test_404(fake, backend):
         backend.poll(JobSetHandle("gke", NS, "nope", "u"))
 
 
+def _pod_labels(m: dict) -> dict:
+    return m["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(
+    ("break_it", "says"),
+    [
+        # A sweep cell's step name as its label value once was: no label value may hold '/'.
+        (
+            lambda m: m["metadata"]["labels"].update({"slipway/step": "sweep/train/C1e10-s0"}),
+            'metadata.labels: Invalid value: "sweep/train/C1e10-s0": a valid label must be',
+        ),
+        (
+            lambda m: m["metadata"]["labels"].update({"slipway/step": "x" * 64}),
+            "must be no more than 63 characters",
+        ),
+        (lambda m: m["metadata"]["labels"].update({"a/b/c": "v"}), "a qualified name must"),
+        (lambda m: m["metadata"]["labels"].update({"Slipway.dev/x": "v"}), "prefix part"),
+        (lambda m: m["metadata"].update(annotations={"-x": "v"}), "metadata.annotations: "),
+        (
+            lambda m: _pod_labels(m).update({"slipway/step": "a/b"}),
+            "spec.replicatedJobs[0].template.spec.template.metadata.labels: Invalid value",
+        ),
+        # The JobSet CRD's schema: a type, an enum.
+        (
+            lambda m: m["spec"]["replicatedJobs"][0].update(replicas="two"),
+            "spec.replicatedJobs.0.replicas: 'two' is not of type 'integer'",
+        ),
+        (
+            lambda m: m["spec"].update(successPolicy={"operator": "Most"}),
+            "spec.successPolicy.operator: 'Most' is not one of ['All', 'Any']",
+        ),
+    ],
+)
+def test_what_the_api_server_refuses_is_a_422_and_nothing_is_created(
+    fake, backend, sleeps, break_it, says
+):
+    """The fake validates a JobSet as the API server does (the rendered manifest is valid:
+    broken here after rendering), so a test through it fails where a cluster would."""
+    m = manifest()
+    break_it(m)
+    with pytest.raises(JobSetApiError, match="HTTP 422") as err:
+        backend.submit(m)
+    assert says in str(err.value)
+    assert err.value.status == 422 and not err.value.transient and sleeps == []  # no retry
+    assert fake.created == [] and fake.jobsets == {}
+
+
 def test_500_is_retried_with_backoff_then_reported(fake, backend, sleeps):
     handle = backend.submit(manifest())
     fake.inject(500, method="GET", times=2, message="etcdserver: request timed out")
