@@ -251,6 +251,10 @@ def check_sweep_config(params: Mapping[str, Any], vocab_size: int) -> None:
                         f"budgets: {budget:.3g} gives {len(sizes)} distinct model size(s) at "
                         "this spread; a parabola needs 3 (raise points or spread)"
                     )
+    if params.get("fail_cells") and params.get("backend") == "gke":
+        # the training operator injects the fault into local processes only: a gke night
+        # would train the cells normally and show no failure
+        problems.append("fail_cells: fault injection is for backend=local only")
     known = known_metric_stores(params)
     unknown = [s for s in params.get("metric_stores") or [] if s not in known]
     if unknown:

@@ -70,6 +70,7 @@ def test_the_form_offers_every_recipe_and_leaves_the_reference_run_to_it():
         ({"budgets": [1e6, 1e12]}, r"budgets: .*gives \d+ steps"),
         ({"forecast_budgets": [1e12]}, "forecast_budgets: .* not above the largest fitted"),
         ({"fail_cells": [99]}, r"fail_cells: \[99\] not in the grid"),
+        ({"fail_cells": [0], "backend": "gke"}, "fail_cells: fault injection is for backend=local"),
         ({"points": 3, "spread": 1.5}, "a parabola needs 3"),
     ],
 )
