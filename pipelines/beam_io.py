@@ -57,6 +57,9 @@ class InputSource:
     hf_split: str = "train"
     shard: int = 0
     num_shards: int = 1
+    # An "hf" source named as a Hub repository (``hf_hub_name``): read from the Hub only, never
+    # from a local folder of that name that appeared later (such as the stage's own output).
+    hub: bool = False
 
 
 def _supported(path: str) -> str | None:
@@ -65,6 +68,39 @@ def _supported(path: str) -> str | None:
     if path.endswith(PARQUET_SUFFIXES):
         return "parquet"
     return None
+
+
+HF_HUB_DATASETS = "hf://datasets/"  # what ``datasets`` reads from the Hub only, never locally
+
+
+def _holds_files(path: str) -> bool:
+    if os.path.isfile(path):
+        return True
+    return any(files for _, _, files in os.walk(path))
+
+
+def hf_hub_name(name: str) -> bool:
+    """Whether ``hf:NAME`` names a dataset on the Hugging Face Hub, not a local one or a URL.
+
+    As ``datasets`` decides: a relative name with at most one ``/`` (``org/name``) is a Hub
+    repository, unless a local path of that name holds files (``datasets`` reads a local
+    folder first). An empty folder is not a dataset ``datasets`` could read: a stage's own
+    output ``./org/name``, just cleared, leaves ``hf:org/name`` the Hub's.
+    """
+    if not name or "://" in name or os.path.isabs(name) or name.startswith((".", "~")):
+        return False
+    return name.count("/") <= 1 and not _holds_files(name)
+
+
+def glob_files(spec: str) -> list[str]:
+    """The files a glob or file input names, sorted. A wildcard's matches inside a
+    ``dead_letter/`` folder are left out, as a folder input leaves them out (dead letters are
+    not documents: read as such they would all be dropped as invalid); a file named without a
+    wildcard is read as named."""
+    files = storage.expand_glob(spec)
+    if not any(c in spec for c in "*?["):
+        return files
+    return [path for path in files if DEAD_LETTER_FOLDER not in path.split("/")[:-1]]
 
 
 def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource]:
@@ -80,8 +116,9 @@ def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource
         if spec.startswith(HF_PREFIX):
             name, _, split = spec[len(HF_PREFIX) :].partition("@")
             name, _, config = name.partition(":") if "://" not in name else (name, "", "")
+            hub = hf_hub_name(name)
             sources.extend(
-                InputSource("hf", name, config or None, split or "train", i, hf_shards)
+                InputSource("hf", name, config or None, split or "train", i, hf_shards, hub)
                 for i in range(hf_shards)
             )
             continue
@@ -95,8 +132,13 @@ def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource
             sources.extend(InputSource("jsonl", p) for p in manifest.shard_paths(spec))
             continue
         is_folder = storage.filesystem(spec).isdir(spec)
-        files = _folder_files(spec) if is_folder else storage.expand_glob(spec)
+        files = _folder_files(spec) if is_folder else glob_files(spec)
         if not files:
+            if not is_folder and storage.expand_glob(spec):
+                raise FileNotFoundError(
+                    f"input {spec!r} matches no files outside {DEAD_LETTER_FOLDER}/ folders"
+                    " (dead letters are not documents)"
+                )
             raise FileNotFoundError(f"input {spec!r} matches no files")
         for path in files:
             kind = _supported(path)
@@ -196,7 +238,11 @@ def _read_parquet(source: InputSource) -> Iterator[Any]:
 def _read_hf(source: InputSource) -> Iterator[Any]:
     import datasets
 
-    if os.path.isdir(source.path) and os.path.exists(
+    if source.hub:
+        dataset = datasets.load_dataset(
+            HF_HUB_DATASETS + source.path, source.hf_config, split=source.hf_split
+        )
+    elif os.path.isdir(source.path) and os.path.exists(
         os.path.join(source.path, "dataset_info.json")
     ):
         dataset = datasets.load_from_disk(source.path)

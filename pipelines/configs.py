@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     from pipelines.minhash import MinHashParams
@@ -237,6 +237,10 @@ class FuzzyDedupConfig:
 
 @dataclass(frozen=True)
 class DecontaminateConfig:
+    # Path fields a run cannot do without, with the flag that gives them: checked before the
+    # output is cleared (``pipelines.stage.check_reads``).
+    REQUIRED_READS: ClassVar[dict[str, str]] = {"eval_sets": "--eval_set PATH"}
+
     eval_sets: tuple[str, ...] = ()  # paths/globs; --eval_set flags are appended
     ngram: int = 13
     min_overlap: int = 1  # distinct shared n-grams with one eval set that make a match
@@ -286,6 +290,8 @@ class TrainTokenizerConfig:
 
 @dataclass(frozen=True)
 class TokenizeConfig:
+    REQUIRED_READS: ClassVar[dict[str, str]] = {"tokenizer": "--tokenizer DIR_OR_MODEL"}
+
     tokenizer: str = ""  # tokenizer directory (stage 6 output) or .model file; --tokenizer
     encode_threads: int = 0  # SentencePiece threads per batch; 0 = one per CPU (max 8)
     batch_docs: int = 1024  # documents per encode call

@@ -14,6 +14,7 @@ import base64
 import datetime
 import decimal
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -90,8 +91,43 @@ def decode_line(raw: bytes) -> Any:
 
 
 def dumps(record: Mapping[str, Any]) -> str:
-    """Canonical JSON: sorted keys, no ASCII escaping, compact. Same record, same bytes."""
-    return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """Canonical JSON: sorted keys, no ASCII escaping, compact. Same record, same bytes.
+
+    Always strict JSON: a NaN or an infinity (JSON has no such number; Python's ``json`` would
+    write ``NaN``, ``Infinity``) is written as the string ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"``, as ``json_safe`` converts it.
+    """
+    try:
+        return json.dumps(
+            record, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        )
+    except ValueError:  # a non-finite float somewhere (rare: only such records pay the walk)
+        return json.dumps(
+            _finite(record),
+            sort_keys=True,
+            ensure_ascii=False,
+            separators=(",", ":"),
+            allow_nan=False,
+        )
+
+
+def non_finite_text(value: float) -> str:
+    """A NaN or infinite float as a JSON string: ``"NaN"``, ``"Infinity"``, ``"-Infinity"``
+    (Python's and ``Decimal``'s spellings of them)."""
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``non_finite_text`` (JSON types)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else non_finite_text(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 class UnrepresentableValue(ValueError):
@@ -124,8 +160,11 @@ def _iso_duration(nanoseconds: int) -> str:
 def json_safe(value: Any, *, strict: bool = True) -> Any:
     """``value`` made of JSON types only, the same for the same value in every process.
 
-    Raw Parquet and Hugging Face columns hold what ``json.dumps`` refuses. They become:
+    Raw Parquet and Hugging Face columns hold what ``json.dumps`` refuses, or would write as
+    no JSON parser reads it. They become:
     datetime, date and time: ISO 8601 (``isoformat``; NumPy's ``datetime_as_string``);
+    NaN and infinite floats: ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (``non_finite_text``,
+    as a ``Decimal`` of them, and NumPy's NaT as ``"NaT"``);
     timedelta: an ISO 8601 duration in days and seconds (``P1DT3.5S``); bytes:
     ``{"base64": ...}`` (the marker ``raw_payload`` uses for bytes that are not UTF-8);
     Decimal: its string (exact); NumPy scalars and arrays: Python values and lists; tuples:
@@ -145,6 +184,8 @@ def json_safe(value: Any, *, strict: bool = True) -> Any:
 
 
 def _json_safe(value: Any, strict: bool) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):  # np.float64 too: a float
+        return non_finite_text(value)
     if isinstance(value, _JSON_SCALARS):
         return value
     if isinstance(value, dict):

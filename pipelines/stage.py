@@ -43,6 +43,8 @@ from pipelines.beam_io import (
     InputError,
     ParseDocuments,
     ReadRecords,
+    glob_files,
+    hf_hub_name,
     write_dead_letters,
     write_documents,
 )
@@ -202,9 +204,10 @@ def clear_output(output: str) -> None:
 
 
 def _matches(spec: str) -> bool:
-    """Whether a file, folder or glob input names anything (local or on an object store)."""
+    """Whether a file, folder or glob input names anything (local or on an object store); a
+    glob's matches in ``dead_letter/`` folders do not count (``beam_io.glob_files``)."""
     if any(c in spec for c in "*?["):
-        return bool(storage.expand_glob(spec))
+        return bool(glob_files(spec))
     return storage.exists(spec)
 
 
@@ -244,10 +247,21 @@ def comparable_path(spec: str) -> tuple[str, bool]:
     return url + (f"{folder.rstrip('/')}/{tail}" if folder else tail), True
 
 
+def _hf_hub_spec(spec: str) -> bool:
+    """Whether ``spec`` is ``hf:NAME[:CONFIG][@SPLIT]`` naming a Hub dataset (no local path)."""
+    if not spec.startswith(HF_PREFIX):
+        return False
+    name = spec[len(HF_PREFIX) :].partition("@")[0]
+    return hf_hub_name(name if "://" in name else name.partition(":")[0])
+
+
 def overlaps(output: str, spec: str) -> bool:
     """Whether clearing ``output`` could delete what ``spec`` names, or ``output`` lies where
     ``spec`` reads: the same location, one inside the other, or (a glob) a match inside the
-    output or the output where a match could be."""
+    output or the output where a match could be. A Hub dataset (``hf:org/name``) is no local
+    path: it overlaps nothing (``beam_io.hf_hub_name``; it is then read from the Hub only)."""
+    if _hf_hub_spec(spec):
+        return False
     out, _ = comparable_path(output)
     where, is_glob = comparable_path(spec)
     if is_glob:
@@ -274,17 +288,37 @@ def check_output_apart(
             )
 
 
-def config_read_paths(config: Any) -> list[str]:
-    """The paths a stage's config names for it to read (``READ_PATH_FIELDS``)."""
+def config_read_fields(config: Any) -> list[tuple[str, str]]:
+    """``(field, path)`` for each path a stage's config names for it to read
+    (``READ_PATH_FIELDS``)."""
     values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-    paths: list[str] = []
+    paths: list[tuple[str, str]] = []
     for field in READ_PATH_FIELDS:
         value = values.get(field)
         if isinstance(value, str):
-            paths.extend([value] if value else [])
+            paths.extend([(field, value)] if value else [])
         elif isinstance(value, list | tuple):
-            paths.extend(p for p in value if isinstance(p, str) and p)
+            paths.extend((field, p) for p in value if isinstance(p, str) and p)
     return paths
+
+
+def config_read_paths(config: Any) -> list[str]:
+    """The paths a stage's config names for it to read (``READ_PATH_FIELDS``)."""
+    return [path for _, path in config_read_fields(config)]
+
+
+def check_reads(stage: str, config: Any) -> None:
+    """Refuse, before the output is cleared, a run without a path its config requires
+    (``REQUIRED_READS``: decontamination's eval sets, tokenize's tokenizer) or with a read
+    path that names nothing; the error names the field."""
+    given = config_read_fields(config)
+    required: Mapping[str, str] = getattr(config, "REQUIRED_READS", {})
+    for field, usage in required.items():
+        if not any(name == field for name, _ in given):
+            raise StageError(f"{stage}: {field} is required ({usage})")
+    for field, path in given:
+        if not path.startswith(HF_PREFIX) and not _matches(path):
+            raise StageError(f"{stage}: {field} {path!r} matches no files")
 
 
 def prepare_run(
@@ -295,8 +329,11 @@ def prepare_run(
     beam_args: Sequence[str],
     reads: Sequence[str] = (),
 ) -> PipelineOptions:
-    """Checks and set-up shared by every stage run; returns the Beam options. ``reads``: what
-    the stage reads besides its inputs (``config_read_paths``), kept apart from the output."""
+    """Checks shared by every stage run; returns the Beam options. ``reads``: what the stage
+    reads besides its inputs (``config_read_paths``), kept apart from the output. The output
+    is not touched: :func:`run_pipeline` clears it once the pipeline is built, so that what a
+    stage finds missing while building (its tokenizer's model, say) leaves the last output as
+    it was."""
     if not inputs:
         raise StageError(f"{stage}: at least one --input is required")
     if num_shards < 1:
@@ -306,8 +343,6 @@ def prepare_run(
     for spec in inputs:  # before the output is cleared: a mistyped input keeps the last one
         if not spec.startswith(HF_PREFIX) and not _matches(spec):
             raise StageError(f"{stage}: input {spec!r} matches no files")
-    clear_output(output)
-    log.info("stage %s: reading %s, writing %s", stage, list(inputs), output)
     return options
 
 
@@ -364,6 +399,7 @@ def run_pipeline(
 ) -> StageRun:
     """Run one stage as one Beam pipeline and return its manifest."""
     options = prepare_run(stage, inputs, output, num_shards, beam_args, config_read_paths(config))
+    check_reads(stage, config)
     config_dict = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     started = time.monotonic()
     # A caller may have frozen the heap already (Airflow's LocalExecutor does before it forks
@@ -372,6 +408,10 @@ def run_pipeline(
     try:
         with beam.Pipeline(runner=pipeline_runner(options), options=options) as pipeline:
             _build(pipeline, stage, strategy, config, config_dict, inputs, output, num_shards)
+            # Built: every input and read path was found. Only now is the last output removed
+            # (the pipeline runs as the block closes).
+            clear_output(output)
+            log.info("stage %s: reading %s, writing %s", stage, list(inputs), output)
             # Runs as the block closes. What exists now (Beam, the pipeline graph, the
             # caller's objects) outlives the run: the collector's full collections during
             # the run need not re-scan it (~200k objects, ~0.5 s of a 12 s stage).

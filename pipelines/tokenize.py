@@ -8,7 +8,8 @@ by (id, text) inside each shard, so the store does not depend on the runner or o
 of the input. Each worker encodes its shard with SentencePiece in batches (one C++ call per
 ``batch_docs`` documents, ``encode_threads`` threads, numpy output, EOS appended) and appends
 each batch to the shard (``tokenstore.ShardWriter``). A final single-element step writes the store's ledger
-(``tokenstore.finalize``: vocabulary size, EOS id, tokenizer sha256, and this run's counts),
+(``tokenstore.finalize``: vocabulary size, EOS id, tokenizer sha256, and this run's counts,
+among them ``metadata.num_bytes``, the UTF-8 bytes of the tokenized documents' texts),
 then the stage manifest. When the inputs are stage outputs sharded like the store (not the
 DAG's case: its ``split`` writes one file per source), a worker merges them as it reads and
 holds one batch at a time; otherwise it holds one shard's documents (after the shuffle), never
@@ -85,7 +86,18 @@ def encode_rows(
     batch_docs: int,
 ) -> tuple[list[np.ndarray], list[DeadLetter]]:
     """Token arrays (EOS included) of the rows that tokenize, and letters for the rest."""
-    kept: list[np.ndarray] = []
+    kept, letters = _encode(sp, rows, threads, batch_docs)
+    return [ids for _, ids in kept], letters
+
+
+def _encode(
+    sp: sentencepiece_lib.SentencePieceProcessor,
+    rows: Sequence[Row],
+    threads: int,
+    batch_docs: int,
+) -> tuple[list[tuple[Row, np.ndarray]], list[DeadLetter]]:
+    """``encode_rows``, each token array with its row."""
+    kept: list[tuple[Row, np.ndarray]] = []
     letters: list[DeadLetter] = []
     for start in range(0, len(rows), batch_docs):
         batch = rows[start : start + batch_docs]
@@ -102,7 +114,7 @@ def encode_rows(
             elif len(ids) <= 1:  # EOS alone: nothing left of the text
                 letters.append(_letter("empty_encoding", row))
             else:
-                kept.append(ids)
+                kept.append((row, ids))
     return kept, letters
 
 
@@ -139,15 +151,17 @@ class EncodeShard(beam.DoFn):
         name = token_shard_name(index, self.num_shards)
         writer = tokenstore.ShardWriter(self.output, name)
         letters: list[DeadLetter] = []
+        num_bytes = 0  # UTF-8 bytes of the texts whose tokens the shard holds
         rows = iter(rows)
         while batch := list(itertools.islice(rows, self.batch_docs)):
-            tokens, batch_letters = encode_rows(self._sp, batch, self.threads, self.batch_docs)
-            for ids in tokens:
+            tokens, batch_letters = _encode(self._sp, batch, self.threads, self.batch_docs)
+            for (_, text), ids in tokens:
                 writer.add(ids)
+                num_bytes += len(text.encode("utf-8"))
             letters.extend(batch_letters)
         ledger = writer.close()
         info = tree_info(self.output, f"shards/{name}", ledger.num_docs)
-        yield {"ledger": asdict(ledger), "info": asdict(info)}
+        yield {"ledger": asdict(ledger), "info": asdict(info), "num_bytes": num_bytes}
         for letter in letters:
             yield pvalue.TaggedOutput(DEAD, letter)
 
@@ -257,6 +271,9 @@ def finalize_store(
             "records_out": accounting.records_out,
             "dropped": accounting.dropped,
             "special_ids": dict(spm.SPECIAL_IDS),
+            # UTF-8 bytes of the documents whose tokens the store holds: bits per byte for a
+            # store evaluated without its tokenizer (trainer.evaluate)
+            "num_bytes": sum(p["num_bytes"] for p in parts),
         },
     )
     extra = {

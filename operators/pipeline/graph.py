@@ -54,7 +54,8 @@ OUTPUT_VERSIONS: dict[str, int] = {
     "decontaminate": 1,
     # 1: the sample's lines as the trainer reads them (no blank piece, no carriage return)
     "train_tokenizer": 1,
-    "tokenize": 0,
+    # 1: the ledger records num_bytes (UTF-8 bytes of the tokenized texts: bits per byte)
+    "tokenize": 1,
     "split": 0,
     "train": 0,
     # 1: an MoE model's padding takes no expert capacity; non-finite metrics kept as null

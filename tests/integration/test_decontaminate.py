@@ -149,6 +149,21 @@ def test_missing_eval_set_is_a_clear_error(files, tmp_path, capsys):
     assert "matches no files" in capsys.readouterr().err
 
 
+def test_a_missing_eval_set_is_refused_before_the_last_output_is_cleared(files, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "last-run.txt").write_text("kept")
+    base = ["--input", str(files / "in.jsonl"), "--output", str(out)]
+    absent = str(tmp_path / "absent-*.jsonl")
+    for extra, named in [([], "--eval_set"), (["--eval_set", absent], repr(absent))]:
+        with pytest.raises(SystemExit) as exit_info:
+            decontaminate.main([*base, *extra])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "eval_sets" in err and named in err
+        assert (out / "last-run.txt").read_text() == "kept"
+
+
 @pytest.mark.parametrize(
     ("values", "named"),
     [({"ngrams": 13}, "ngrams"), ({"ngram": 0}, "ngram"), ({"eval_sets": "x.jsonl"}, "eval_sets")],

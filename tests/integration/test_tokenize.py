@@ -116,6 +116,15 @@ def test_nothing_is_lost(corpus, store_run):
     assert ledger.metadata["dropped"] == manifest.dropped
 
 
+def test_ledger_records_the_bytes_of_the_tokenized_texts(corpus, store_run):
+    """``metadata.num_bytes``: UTF-8 bytes of the stored documents' texts, from which
+    trainer.evaluate gives bits per byte for a store evaluated without its tokenizer."""
+    out, _ = store_run
+    _, docs = corpus
+    ledger = TokenStore.open(str(out)).ledger
+    assert ledger.metadata["num_bytes"] == sum(len(d["text"].encode("utf-8")) for d in docs)
+
+
 def test_round_trip_gives_back_the_text_in_store_order(corpus, tokenizer_dir, store_run):
     out, _ = store_run
     _, docs = corpus

@@ -84,6 +84,26 @@ def test_tokenize_refuses_to_run_without_a_tokenizer(inputs, tmp_path, capsys):
     assert "tokenizer is required" in capsys.readouterr().err
 
 
+def test_tokenize_finds_its_tokenizer_missing_before_clearing_the_output(inputs, tmp_path, capsys):
+    out = tmp_path / "tokens"
+    out.mkdir()
+    (out / "ledger.json").write_text("the last run's store")
+    empty = tmp_path / "empty-tokenizer"
+    empty.mkdir()
+    absent = str(tmp_path / "absent.model")
+    base = ["--input", str(inputs / "docs.jsonl"), "--output", str(out)]
+    for extra, named in [
+        ([], "tokenizer is required"),
+        (["--tokenizer", absent], f"tokenizer {absent!r} matches no files"),
+        (["--tokenizer", str(empty)], f"no sentencepiece model at {empty / 'tokenizer.model'}"),
+    ]:
+        with pytest.raises(SystemExit) as refused:
+            tokenize.main([*base, *extra])
+        assert refused.value.code == 2
+        assert named in capsys.readouterr().err
+        assert (out / "ledger.json").read_text() == "the last run's store"
+
+
 def test_stage_module_does_not_shadow_stdlib_tokenize():
     # `python -m pipelines.tokenize` puts the repository root, not pipelines/, on sys.path,
     # so `import tokenize` (linecache, inspect, ...) still finds the standard library's.

@@ -235,3 +235,35 @@ def test_folder_inputs_on_an_object_store():
     fs.rm("memory://bucket/corpus/done/manifest.json")
     with pytest.raises(InputError, match="'memory:///bucket/corpus/done' is an unfinished"):
         resolve_inputs(["memory://bucket/corpus/"])
+
+
+def _stage_output_with_dead_letters(root):
+    """A finished stage output's files: shards under data/, letters under dead_letter/."""
+    for folder in ("data", "dead_letter"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "part-00000-of-00001.jsonl.gz").write_bytes(b"")
+    (root / "manifest.json").write_text("{}")
+
+
+def test_a_glob_leaves_out_dead_letter_folders_as_a_folder_input_does(tmp_path):
+    _stage_output_with_dead_letters(tmp_path / "out")
+    for pattern in ("out/**/*.jsonl.gz", "*/*/part-*.jsonl.gz", "out/*/*"):
+        sources = resolve_inputs([str(tmp_path / pattern)])
+        assert [s.path for s in sources] == [
+            str(tmp_path / "out/data/part-00000-of-00001.jsonl.gz")
+        ], pattern
+    with pytest.raises(FileNotFoundError, match="outside dead_letter/ folders"):
+        resolve_inputs([str(tmp_path / "out/dead_letter/*.jsonl.gz")])
+    # A file named without a wildcard is read as named.
+    named = str(tmp_path / "out/dead_letter/part-00000-of-00001.jsonl.gz")
+    assert [s.path for s in resolve_inputs([named])] == [named]
+
+
+def test_an_hf_hub_name_is_read_from_the_hub_unless_a_local_folder_holds_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)  # empty: no dataset datasets could read
+    assert {s.hub for s in resolve_inputs(["hf:org/name@train"], hf_shards=2)} == {True}
+    (tmp_path / "org" / "name" / "train.jsonl").write_text('{"text": "local"}\n')
+    assert {s.hub for s in resolve_inputs(["hf:org/name@train"], hf_shards=2)} == {False}
+    for local in (f"hf:{tmp_path}/x", "hf:./org/name", "hf:a/b/c", "hf:gs://b/d"):
+        assert {s.hub for s in resolve_inputs([local], hf_shards=1)} == {False}, local

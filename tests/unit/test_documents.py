@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import json
 
 import numpy as np
 import pytest
@@ -103,3 +104,48 @@ def test_values_without_a_json_form_are_named_or_marked():
         "2": "two",
     }
     assert raw_payload(b"caf\xe9") == {"base64": "Y2Fm6Q=="}  # raw lines as before
+
+
+def _strict_json(line: str) -> object:
+    """json.loads, refusing what only Python's parser reads (NaN, Infinity, -Infinity)."""
+
+    def refuse(constant: str) -> object:
+        raise AssertionError(f"not JSON: {constant} in {line[:200]}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_non_finite_floats_are_written_as_strict_json():
+    """JSON has no NaN or infinity: they are written as the strings Decimal spells them with,
+    by ``json_safe`` (ingest's metadata, dead letters) and by ``dumps`` (every output line)."""
+    record = {
+        "id": "d",
+        "metadata": {
+            "nan": float("nan"),
+            "inf": float("inf"),
+            "list": [float("-inf"), 1.5, {"deep": np.float64("nan")}],
+            "np32": np.float32("inf"),
+            "ok": 2.0,
+        },
+    }
+    expected_metadata = {
+        "nan": "NaN",
+        "inf": "Infinity",
+        "list": ["-Infinity", 1.5, {"deep": "NaN"}],
+        "np32": "Infinity",
+        "ok": 2.0,
+    }
+    assert json_safe(record["metadata"]) == expected_metadata
+    assert raw_payload(record)["metadata"] == expected_metadata
+    plain = {**record, "metadata": {k: v for k, v in record["metadata"].items() if k != "np32"}}
+    line = dumps(plain)
+    assert _strict_json(line) == {
+        "id": "d",
+        "metadata": {k: v for k, v in expected_metadata.items() if k != "np32"},
+    }
+    # A NaN read from a JSON line (Python's parser accepts one) is written strictly too.
+    assert _strict_json(dumps(decode_line(b'{"x": NaN, "y": -Infinity}'))) == {
+        "x": "NaN",
+        "y": "-Infinity",
+    }
+    assert dumps({"x": 1.5, "y": [1, "NaN"]}) == '{"x":1.5,"y":[1,"NaN"]}'  # others as before

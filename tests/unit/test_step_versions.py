@@ -26,7 +26,7 @@ DEFAULTS = {
     "fuzzy_dedup": (0, "905fb65050e38fd2"),
     "decontaminate": (1, "c3233ac9d230a9f7"),
     "train_tokenizer": (1, "fac0146f727238c7"),
-    "tokenize": (0, "f7345a436c411f46"),
+    "tokenize": (1, "f7345a436c411f46"),
     "train": (0, "f3d5e7dabb7c015b"),  # TrainConfig's defaults and every preset's shape
 }
 
