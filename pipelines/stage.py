@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib
 import json
 import logging
 import os
@@ -597,9 +598,27 @@ def run_as_command(main: Callable[[], object]) -> None:
     (``gc.freeze``): the interpreter's exit would otherwise scan its ~200k objects in several
     full collections (~0.4 s). Only for a process that exits after the stage: in a long-lived
     one (the Airflow hook calls ``main`` directly), frozen garbage would never be freed.
+
+    Run as ``python -m pipelines.<stage>``, the stage's module is ``__main__``, and Beam
+    pickles what the pipeline holds: cloudpickle pickles ``__main__``'s functions and classes
+    by value, and refers to what it cannot (a ``functools.cache`` wrapper) as
+    ``__main__.<name>``, which a worker process (Dataflow's, a multi-process DirectRunner's)
+    cannot find in its own ``__main__``. So ``main`` is taken from the module under its
+    importable name (``pipelines.<stage>``), whose objects pickle by reference.
     """
+    main = _importable(main)
     main()
     gc.freeze()
+
+
+def _importable(main: Callable[[], object]) -> Callable[[], object]:
+    """``main`` as its module's importable name holds it (itself unless run as a script)."""
+    if getattr(main, "__module__", None) != "__main__":
+        return main
+    spec = getattr(main, "__globals__", {}).get("__spec__")  # runpy sets it, as ``-m`` does
+    if spec is None or spec.name in ("__main__", ""):  # a file run by path: nothing to import
+        return main
+    return getattr(importlib.import_module(spec.name), main.__name__)
 
 
 def stage_main(

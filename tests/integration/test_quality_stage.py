@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -120,6 +122,21 @@ def test_second_run_is_byte_identical(run, tmp_path, digest):
         json.dumps(CONFIG),
     ]
     quality.main(argv)
+    assert digest(Path(out)) == digest(again)
+
+
+def test_the_command_runs_on_workers_of_another_main_module(run, tmp_path, digest):
+    """``python -m pipelines.quality`` on worker processes whose ``__main__`` is not the
+    stage's (as on Dataflow): what the pipeline holds must pickle by reference to
+    ``pipelines.quality``, not to ``__main__`` (a cache wrapper there broke every worker)."""
+    out, manifest, _, _ = run
+    again = tmp_path / "workers"
+    argv = ["--input", manifest.inputs[0], "--output", str(again), "--config", json.dumps(CONFIG)]
+    argv += ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelines.quality", *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
     assert digest(Path(out)) == digest(again)
 
 
