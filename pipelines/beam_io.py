@@ -84,12 +84,17 @@ def hf_hub_name(name: str) -> bool:
 
     As ``datasets`` decides: a relative name with at most one ``/`` (``org/name``) is a Hub
     repository, unless a local path of that name holds files (``datasets`` reads a local
-    folder first). An empty folder is not a dataset ``datasets`` could read: a stage's own
-    output ``./org/name``, just cleared, leaves ``hf:org/name`` the Hub's.
+    folder first). Neither an empty folder nor a finished stage output (its manifest) is a
+    dataset the user meant: a stage that wrote ``./org/name`` from ``hf:org/name`` may run
+    again.
     """
     if not name or "://" in name or os.path.isabs(name) or name.startswith((".", "~")):
         return False
-    return name.count("/") <= 1 and not _holds_files(name)
+    if name.count("/") > 1:
+        return False
+    # A finished stage output there is Slipway's, not a dataset the user meant: the stage that
+    # wrote it into ./org/name from hf:org/name may run again
+    return not _holds_files(name) or has_manifest(name)
 
 
 def glob_files(spec: str) -> list[str]:
@@ -100,7 +105,20 @@ def glob_files(spec: str) -> list[str]:
     files = storage.expand_glob(spec)
     if not any(c in spec for c in "*?["):
         return files
-    return [path for path in files if DEAD_LETTER_FOLDER not in path.split("/")[:-1]]
+    # Only folders the wildcards match count: a dead_letter/ in the glob's fixed part is the
+    # user's own folder (as a folder input given there would be read)
+    fixed = []
+    for part in spec.split("/"):
+        if any(c in part for c in "*?["):
+            break
+        fixed.append(part)
+    base = storage.strip_protocol("/".join(fixed) or ".").rstrip("/")
+    kept = []
+    for path in files:
+        below = storage.strip_protocol(path)[len(base) :].split("/")[:-1]
+        if DEAD_LETTER_FOLDER not in below:
+            kept.append(path)
+    return kept
 
 
 def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource]:

@@ -343,7 +343,8 @@ def prepare_run(
     check_output_apart(stage, output, inputs, reads)
     for spec in inputs:  # before the output is cleared: a mistyped input keeps the last one
         if not spec.startswith(HF_PREFIX) and not _matches(spec):
-            raise StageError(f"{stage}: input {spec!r} matches no files")
+            where = " outside dead_letter/ folders" if storage.expand_glob(spec) else ""
+            raise StageError(f"{stage}: input {spec!r} matches no files{where}")
     return options
 
 

@@ -46,6 +46,12 @@ def expand_glob(pattern: str) -> list[str]:
     return sorted(found)
 
 
+def strip_protocol(path: str) -> str:
+    """``path`` as its filesystem names it (``expand_glob``'s matches, less the protocol): a
+    local path made absolute, an object's ``bucket/key``."""
+    return fsspec.core.url_to_fs(path)[1]
+
+
 def exists(path: str) -> bool:
     return filesystem(path).exists(path)
 

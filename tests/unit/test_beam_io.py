@@ -253,10 +253,17 @@ def test_a_glob_leaves_out_dead_letter_folders_as_a_folder_input_does(tmp_path):
             str(tmp_path / "out/data/part-00000-of-00001.jsonl.gz")
         ], pattern
     with pytest.raises(FileNotFoundError, match="outside dead_letter/ folders"):
-        resolve_inputs([str(tmp_path / "out/dead_letter/*.jsonl.gz")])
-    # A file named without a wildcard is read as named.
+        resolve_inputs([str(tmp_path / "out/dead_lette?/*.jsonl.gz")])
+    # A dead_letter/ the glob names before its wildcards, or a file named without one, is
+    # read as named (dead letters re-processed on purpose; a user's own folder of that name).
     named = str(tmp_path / "out/dead_letter/part-00000-of-00001.jsonl.gz")
     assert [s.path for s in resolve_inputs([named])] == [named]
+    assert [s.path for s in resolve_inputs([str(tmp_path / "out/dead_letter/*.gz")])] == [named]
+    _stage_output_with_dead_letters(tmp_path / "dead_letter" / "corpus")
+    under = resolve_inputs([str(tmp_path / "dead_letter/corpus/*/*.jsonl.gz")])
+    assert [s.path for s in under] == [
+        str(tmp_path / "dead_letter/corpus/data/part-00000-of-00001.jsonl.gz")
+    ]
 
 
 def test_an_hf_hub_name_is_read_from_the_hub_unless_a_local_folder_holds_it(tmp_path, monkeypatch):
@@ -265,5 +272,8 @@ def test_an_hf_hub_name_is_read_from_the_hub_unless_a_local_folder_holds_it(tmp_
     assert {s.hub for s in resolve_inputs(["hf:org/name@train"], hf_shards=2)} == {True}
     (tmp_path / "org" / "name" / "train.jsonl").write_text('{"text": "local"}\n')
     assert {s.hub for s in resolve_inputs(["hf:org/name@train"], hf_shards=2)} == {False}
+    # a finished stage output there (a run of hf:org/name into ./org/name) is no dataset
+    (tmp_path / "org" / "name" / "manifest.json").write_text("{}")
+    assert {s.hub for s in resolve_inputs(["hf:org/name@train"], hf_shards=2)} == {True}
     for local in (f"hf:{tmp_path}/x", "hf:./org/name", "hf:a/b/c", "hf:gs://b/d"):
         assert {s.hub for s in resolve_inputs([local], hf_shards=1)} == {False}, local
