@@ -104,8 +104,10 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class _OneDNNLinearFn(torch.autograd.Function):
     """A bias-free linear whose forward and both backward products run on oneDNN.
 
-    ATen sends float32 ``mm`` to the wheel's BLAS (MKL) whatever the CPU; oneDNN reads strided
-    operands, so the transposes below are views, not copies.
+    ATen sends float32 ``mm`` to the wheel's BLAS (MKL) whatever the CPU. oneDNN reads a
+    strided weight operand, so the input gradient copies nothing; ``_linear_pointwise`` makes
+    its first operand contiguous, so the weight gradient copies one activation (transposed):
+    the narrower of the input and the output gradient.
     """
 
     @staticmethod
@@ -120,7 +122,11 @@ class _OneDNNLinearFn(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, w = ctx.saved_tensors
         grad_x = _onednn_linear(grad, w.t())  # (..., out) @ (out, in)
-        grad_w = _onednn_linear(grad.flatten(0, -2).t(), x.flatten(0, -2).t())  # (out, in)
+        g2, x2 = grad.flatten(0, -2), x.flatten(0, -2)
+        if x2.shape[1] < g2.shape[1]:  # (in, out), transposed: x is the one copied
+            grad_w = _onednn_linear(x2.t(), g2.t()).t().contiguous()
+        else:
+            grad_w = _onednn_linear(g2.t(), x2.t())  # (out, in): the gradient is copied
         return grad_x, grad_w
 
 
@@ -134,16 +140,18 @@ class OneDNNLinear(nn.Linear):
 def check_onednn_linear() -> None:
     """Refuse to time ``OneDNNLinear`` unless its output and both gradients match ATen's."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 48, 64, generator=g, requires_grad=True)
-    w = torch.randn(96, 64, generator=g, requires_grad=True)
-    grad = torch.randn(2, 48, 96, generator=g)
-    got = [
-        _OneDNNLinearFn.apply(x, w),
-        *torch.autograd.grad(_OneDNNLinearFn.apply(x, w), (x, w), grad),
-    ]
-    want = [F.linear(x, w), *torch.autograd.grad(F.linear(x, w), (x, w), grad)]
-    for what, a, b in zip(("output", "input grad", "weight grad"), got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"OneDNNLinear {what}")
+    for d_in, d_out in ((64, 96), (96, 64)):  # both weight-gradient branches
+        x = torch.randn(2, 48, d_in, generator=g, requires_grad=True)
+        w = torch.randn(d_out, d_in, generator=g, requires_grad=True)
+        grad = torch.randn(2, 48, d_out, generator=g)
+        got = [
+            _OneDNNLinearFn.apply(x, w),
+            *torch.autograd.grad(_OneDNNLinearFn.apply(x, w), (x, w), grad),
+        ]
+        want = [F.linear(x, w), *torch.autograd.grad(F.linear(x, w), (x, w), grad)]
+        for what, a, b in zip(("output", "input grad", "weight grad"), got, want, strict=True):
+            msg = f"OneDNNLinear {what} ({d_in} -> {d_out})"
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=msg)
 
 
 def use_onednn_linears(model: nn.Module) -> None:
