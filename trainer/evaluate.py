@@ -49,6 +49,7 @@ from trainer.config import ConfigError, TrainConfig, load_config
 from trainer.kernels import loss_chunk, token_nll
 from trainer.model import Batch, Transformer, jit_document_batch
 from trainer.restore import load_params, replicated
+from trainer.scoring import perplexity_of
 from trainer.tasks import Example, Task, TaskError, load_examples, parse_tasks
 
 
@@ -128,7 +129,7 @@ def evaluate_store(
         "store": store.root,
         "tokens": int(count),
         "loss": loss,
-        "perplexity": math.exp(loss),
+        "perplexity": perplexity_of(loss),
         "bits_per_byte": bpb,
     }
 

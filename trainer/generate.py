@@ -142,8 +142,10 @@ def cached_forward(
 
     x, (k_all, v_all) = jax.lax.scan(body, x, (layer_params, k_all, v_all))
     x = params.final_norm(x)
-    logits = jnp.einsum("bsd,dv->bsv", x, params.head().astype(dtype))
-    return logits.astype(jnp.float32), (k_all, v_all)
+    logits = jnp.einsum(
+        "bsd,dv->bsv", x, params.head().astype(dtype), preferred_element_type=jnp.float32
+    )
+    return logits, (k_all, v_all)
 
 
 def _split_layers(params: Transformer):

@@ -401,8 +401,10 @@ class Transformer(eqx.Module):
         """tokens, segments, positions: (B, S) -> float32 logits (B, S, V), per-layer MoE stats.
         Training and evaluation do not materialize the logits: see ``fused_cross_entropy``."""
         x, stats = self.hidden(tokens, segments, positions, router_bias, dtype)
-        logits = jnp.einsum("bsd,dv->bsv", x, self.head().astype(dtype))
-        return logits.astype(jnp.float32), stats
+        logits = jnp.einsum(
+            "bsd,dv->bsv", x, self.head().astype(dtype), preferred_element_type=jnp.float32
+        )
+        return logits, stats
 
 
 class Batch(NamedTuple):

@@ -93,7 +93,9 @@ def _token_scores(
 
     def one(args):
         xs, ts = args
-        logits = jnp.einsum("bcd,dv->bcv", xs, head).astype(jnp.float32)
+        # float32 accumulation whatever the compute dtype: bfloat16 logits tie near-equal
+        # tokens (argmax then takes the lowest id) and round log-likelihoods
+        logits = jnp.einsum("bcd,dv->bcv", xs, head, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, ts[..., None], axis=-1)[..., 0]
         return picked - lse, jnp.argmax(logits, axis=-1) == ts
@@ -213,6 +215,15 @@ def example_results(task: Task, example: Example, scored: Sequence[Scored]) -> d
     return row
 
 
+def perplexity_of(nll: float) -> float:
+    """exp(mean negative log-likelihood); infinite past float range (a diverged model's loss
+    of 800 nats is a metric the gate refuses, not an OverflowError that loses the run)."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf
+
+
 def task_metrics(task: Task, examples: Sequence[Example], rows: Sequence[dict]) -> dict[str, Any]:
     """A task's summary: n, shots, acc and acc_norm with standard errors, chance, perplexity."""
     accs = [r["acc"] for r in rows]
@@ -220,7 +231,7 @@ def task_metrics(task: Task, examples: Sequence[Example], rows: Sequence[dict]) 
     perplexity = None
     if task.kind == "loglikelihood":
         # the harness's perplexity aggregation: exp(-mean log-likelihood per example)
-        perplexity = math.exp(-float(np.mean([r["loglikelihoods"][0] for r in rows])))
+        perplexity = perplexity_of(-float(np.mean([r["loglikelihoods"][0] for r in rows])))
     return {
         "task": task.name,
         "n": len(rows),

@@ -197,6 +197,10 @@ def test_metrics_arithmetic():
     rows = [{"acc": 1.0, "loglikelihoods": [-1.0]}, {"acc": 0.0, "loglikelihoods": [-3.0]}]
     m = task_metrics(lam, [ex, ex], rows)
     assert m["perplexity"] == pytest.approx(math.exp(2.0)) and m["acc_norm"] is None
+    # a diverged model's log-likelihood past float range: an infinite perplexity (which the
+    # gate refuses as not finite), not an OverflowError that loses the whole evaluation
+    m = task_metrics(lam, [ex], [{"acc": 0.0, "loglikelihoods": [-800.0]}])
+    assert m["perplexity"] == math.inf
     assert chance(lam, [ex]) == 0.0
 
 
@@ -249,6 +253,38 @@ def test_scorer_matches_full_forward_log_softmax(monkeypatch):
     for _ in range(3):
         nxt.append(int(np.argmax(forward([*ctx, *nxt])[-1])))
     assert scorer.score([(ctx, nxt)])[0].is_greedy
+
+
+def test_bfloat16_logits_are_float32_numbers():
+    """In bfloat16 the logits are still accumulated (and kept) in float32: rounded to
+    bfloat16, tokens whose logits differ by less than its spacing tie (argmax then takes the
+    lower id: a true argmax judged not greedy) and log-likelihoods move by 0.01 nats."""
+    from trainer.scoring import _token_scores
+
+    cfg = resolve_model(
+        ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2),
+        vocab_size=97,
+    )
+    model = Transformer(cfg, jax.random.key(3))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(4, 97, (1, 32)), jnp.int32)
+    logits = np.asarray(
+        model(tokens, jnp.zeros((1, 32), jnp.int32), jnp.arange(32)[None], dtype=jnp.bfloat16)[0]
+    )
+    rounded = logits.astype(jnp.bfloat16).astype(np.float32)
+    assert (rounded != logits).mean() > 0.5  # the forward's logits are no bfloat16 numbers
+    # the scorer's: no (rows, positions, vocabulary) array of its program is bfloat16
+    program = jax.make_jaxpr(
+        lambda t: _token_scores(model, None, t, t, jnp.full((1, 1), 32), dtype=jnp.bfloat16)
+    )(tokens)
+
+    def avals(jaxpr):  # every output of every equation, nested programs (lax.map's) too
+        for eqn in jaxpr.eqns:
+            yield from (v.aval for v in eqn.outvars)
+            for inner in jax.core.jaxprs_in_params(eqn.params):
+                yield from avals(inner)
+
+    vocab_wide = [a for a in avals(program.jaxpr) if len(a.shape) == 3 and a.shape[-1] == 97]
+    assert vocab_wide and all(a.dtype == jnp.float32 for a in vocab_wide), vocab_wide
 
 
 # --- the entrypoint refuses before any compute ----------------------------------------------------
