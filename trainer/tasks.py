@@ -226,7 +226,10 @@ def load_examples(task: Task, task_data: str, limit: int | None = None) -> list[
         docs = list(read_docs(path))
     except FileNotFoundError as e:
         raise TaskError(f"{task.name}: no evaluation set at {path}") from e
-    wanted = [d for d in docs if d.get("split") == task.split]
+    # the dataset's order where the files' id order is not it (ARC: ``position``)
+    wanted = sorted(
+        (d for d in docs if d.get("split") == task.split), key=lambda d: d.get("position", 0)
+    )
     if not wanted:
         raise TaskError(f"{task.name}: {path} has no {task.split!r} documents")
     if limit is not None:

@@ -98,8 +98,14 @@ def eval_document(task: str, split: str, key: str, text: str, extra: Mapping[str
 # --- per-task converters: rows of one split -> documents ------------------------------------
 
 
+# ARC documents are keyed by their native ids ("Mercury_7175875"), so the set's files (sorted by
+# id) list them by exam source. ``position`` is a document's place in its split as the dataset
+# (and the harness) orders it; ``trainer.tasks.load_examples`` reads the split in that order,
+# so a limit of N takes the harness's first N, not N questions of a few exam sources.
+
+
 def arc_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document]:
-    for row in rows:
+    for position, row in enumerate(rows):
         texts, labels = row["choices"]["text"], row["choices"]["label"]
         answer = labels.index(row["answerKey"]) if row["answerKey"] in labels else None
         yield eval_document(
@@ -111,6 +117,7 @@ def arc_rows(task: str, split: str, rows: list[Row]) -> Iterator[Document]:
                 "choices": texts,
                 "answer": answer,
                 "native_id": row["id"],
+                "position": position,
                 "question": row["question"],
             },
         )
@@ -121,7 +128,7 @@ _OLMES_QUESTION = re.compile(r"^Question:\s*(?P<q>.*?)\s*\nAnswer:\s*$", re.DOTA
 
 def arc_request_docs(task: str, split: str, docs: list[Row]) -> Iterator[Document]:
     """ARC docs from OLMES ``rc`` requests: query ``Question: ...\\nAnswer:``, plain choices."""
-    for doc in docs:
+    for position, doc in enumerate(docs):  # request_docs: in doc_id order, the dataset's
         match = _OLMES_QUESTION.match(doc["query"])
         question = match["q"] if match else doc["query"]
         yield eval_document(
@@ -133,6 +140,7 @@ def arc_request_docs(task: str, split: str, docs: list[Row]) -> Iterator[Documen
                 "choices": doc["choices"],
                 "answer": doc.get("gold"),
                 "native_id": doc["id"],
+                "position": position,
                 "question": question,
             },
         )

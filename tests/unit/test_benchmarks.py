@@ -148,6 +148,15 @@ def test_real_evaluation_sets_build(corpora_eval_dir):
             assert 0 <= e.gold < len(e.requests) or task.kind == "loglikelihood"
     mmlu = load_examples(TASKS["mmlu"], corpora_eval_dir, 57)
     assert len({e.doc_id.split("/")[2] for e in mmlu}) == 57  # round-robin over subjects
+    # a limit takes the dataset's (the harness's) first questions, not the first ids: ARC's
+    # ids sort by exam source, and Mercury's are two thirds of each test set
+    easy = load_examples(TASKS["arc_easy"], corpora_eval_dir, 200)
+    assert easy[0].doc_id == "arc_easy/test/Mercury_417466"
+    assert "photosynthesis" in easy[0].requests[0].context
+    challenge = load_examples(TASKS["arc_challenge"], corpora_eval_dir, 200)
+    assert challenge[0].doc_id == "arc_challenge/test/Mercury_7175875"
+    for limited in (easy, challenge):
+        assert sum("Mercury" in e.doc_id for e in limited) > 100
 
 
 @pytest.fixture(scope="module")
