@@ -111,8 +111,7 @@ def evaluate_store(
             rows[j] = store.read(w * seq_len, seq_len + 1)
             weights[j] = 1.0
             if tokenizer is not None:  # bytes of exactly the predicted (target) tokens
-                pieces = [tokenizer.id_to_piece(int(t)) for t in rows[j, 1:]]
-                decoded_bytes += sum(_piece_bytes(p) for p in pieces)
+                decoded_bytes += sum(token_bytes(tokenizer, int(t)) for t in rows[j, 1:])
         batch = documents(global_array(rows, row_sharding))
         s, c = step(params, router_bias, batch, global_array(weights, weight_sharding))
         total += float(s)
@@ -134,14 +133,16 @@ def evaluate_store(
     }
 
 
-def _piece_bytes(piece: str) -> int:
-    """UTF-8 bytes a sentencepiece piece stands for: byte-fallback pieces (<0xAB>) are one
-    byte, control pieces (<s>, </s>, <unk>) none, the word marker a space."""
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+def token_bytes(tokenizer: Any, token: int) -> int:
+    """UTF-8 bytes a sentencepiece token stands for: a byte-fallback token one, a control or
+    unknown token (<s>, </s>, <unk>) or an unused one none, the word marker a space. Judged
+    by the model's token types, not the piece's spelling: code makes ordinary pieces such as
+    ``<>``."""
+    if tokenizer.is_byte(token):
         return 1
-    if piece.startswith("<") and piece.endswith(">"):
+    if tokenizer.is_control(token) or tokenizer.is_unknown(token) or tokenizer.is_unused(token):
         return 0
-    return len(piece.replace("\u2581", " ").encode("utf-8"))
+    return len(tokenizer.id_to_piece(token).replace("\u2581", " ").encode("utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:

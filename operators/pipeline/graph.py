@@ -62,7 +62,8 @@ OUTPUT_VERSIONS: dict[str, int] = {
     "split": 0,
     "train": 0,
     # 1: an MoE model's padding takes no expert capacity; non-finite metrics kept as null
-    # 2: bfloat16 runs score with float32 logits (no ties from rounding)
+    # 2: bfloat16 runs score with float32 logits (no ties from rounding); bits per byte
+    # counts a piece by its token type (a code piece "<>" is two bytes)
     "evaluate": 2,
     "export": 0,
 }

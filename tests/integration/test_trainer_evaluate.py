@@ -191,3 +191,23 @@ def test_moe_evaluation_uses_the_checkpointed_router_bias(tmp_path):
     assert abs(with_bias - zero_bias) > 5e-4 * with_bias
     # ... and the evaluator used the checkpointed one, as training does
     assert evaluated["loss"] == pytest.approx(with_bias, rel=2e-5)
+
+
+def test_bits_per_byte_counts_every_byte_of_code_pieces(tmp_path):
+    """Bytes per token by the tokenizer's token types: a learned piece spelled like a control
+    token (``<>``, common in code) is two bytes, not none."""
+    import sentencepiece as spm
+
+    from tests.support.trainer_data import stdlib_texts, train_sentencepiece
+    from trainer.evaluate import token_bytes
+
+    code = "List<> a = new ArrayList<>(); Map<> m = new HashMap<>(); x <> y"
+    model = train_sentencepiece([code] * 300 + stdlib_texts(100_000), 600, str(tmp_path / "t"))
+    sp = spm.SentencePieceProcessor(model_file=model)
+    assert sp.piece_to_id("<>") not in (sp.unk_id(), sp.bos_id(), sp.eos_id())  # a piece
+    ids = sp.encode(code)
+    assert sp.piece_to_id("<>") in ids
+    # the text and the word marker sentencepiece puts before it
+    assert sum(token_bytes(sp, t) for t in ids) == len(code.encode("utf-8")) + 1
+    assert [token_bytes(sp, t) for t in (sp.bos_id(), sp.eos_id(), sp.unk_id())] == [0, 0, 0]
+    assert token_bytes(sp, sp.piece_to_id("<0xE2>")) == 1  # byte fallback
