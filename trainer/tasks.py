@@ -196,10 +196,16 @@ def read_docs(path: str) -> Iterator[Doc]:
     import fsspec
 
     with fsspec.open(path, "rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
-        for line in lines:
+        for number, line in enumerate(lines, 1):
             if line.strip():
-                d = json.loads(line)
-                yield {**d.get("metadata", {}), "id": d["id"], "text": d["text"]}
+                try:
+                    d = json.loads(line)
+                    yield {**d.get("metadata", {}), "id": d["id"], "text": d["text"]}
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    raise TaskError(
+                        f"{path}:{number}: not an evaluation document ({type(e).__name__}: "
+                        f"{e}); run `make corpora` again"
+                    ) from e
 
 
 def _round_robin(docs: list[Doc], key: str, limit: int) -> list[Doc]:
@@ -226,6 +232,8 @@ def load_examples(task: Task, task_data: str, limit: int | None = None) -> list[
         docs = list(read_docs(path))
     except FileNotFoundError as e:
         raise TaskError(f"{task.name}: no evaluation set at {path}") from e
+    except EOFError as e:  # a gzip stream cut short
+        raise TaskError(f"{task.name}: {path} is truncated; run `make corpora` again") from e
     # the dataset's order where the files' id order is not it (ARC: ``position``)
     wanted = sorted(
         (d for d in docs if d.get("split") == task.split), key=lambda d: d.get("position", 0)
@@ -251,6 +259,11 @@ def load_examples(task: Task, task_data: str, limit: int | None = None) -> list[
             raise TaskError(
                 f"{task.name}: {path} lacks the field {e} (written by an older fetch: "
                 "run `make corpora` again)"
+            ) from e
+        except (ValueError, TypeError, IndexError, AttributeError) as e:  # a malformed document
+            raise TaskError(
+                f"{task.name}: {path}: document {d.get('id')!r} cannot be built into a "
+                f"{task.name} example ({type(e).__name__}: {e}); run `make corpora` again"
             ) from e
     return examples
 

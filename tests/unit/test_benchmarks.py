@@ -136,6 +136,24 @@ def test_task_data_problems_name_the_file(tmp_path):
     _write_set(tmp_path, "piqa", [_doc("piqa", 0, "validation", choices=["a", "b"], answer=0)])
     with pytest.raises(TaskError, match=r"lacks the field 'goal'.*make corpora"):
         load_examples(TASKS["piqa"], str(tmp_path))
+    # a document that cannot be built names itself; a line that is no document, its line
+    no_blank = _doc("winogrande", 3, "validation", sentence="no blank", choices=["a", "b"])
+    _write_set(
+        tmp_path, "winogrande", [no_blank | {"metadata": no_blank["metadata"] | {"answer": 0}}]
+    )
+    with pytest.raises(TaskError, match=r"document 'winogrande/validation/00003' cannot be built"):
+        load_examples(TASKS["winogrande"], str(tmp_path))
+    with gzip.open(tmp_path / "piqa.jsonl.gz", "wt") as f:
+        f.write(json.dumps(_doc("piqa", 0, "validation")) + "\n" + '{"id": "cut' + "\n")
+    with pytest.raises(TaskError, match=r"piqa\.jsonl\.gz:2: not an evaluation document"):
+        load_examples(TASKS["piqa"], str(tmp_path))
+    whole = gzip.compress(
+        b"".join(json.dumps(_doc("piqa", 0, "validation")).encode() + b"\n" for _ in range(2000)),
+        mtime=0,
+    )
+    (tmp_path / "piqa.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(TaskError, match=r"piqa\.jsonl\.gz is truncated"):
+        load_examples(TASKS["piqa"], str(tmp_path))
 
 
 def test_real_evaluation_sets_build(corpora_eval_dir):
