@@ -223,7 +223,11 @@ def hf_config(mcfg: Any, cfg: TrainConfig, sp: SentencePieceModel) -> dict[str, 
 
 
 def _special_ids(sp: SentencePieceModel) -> dict[str, int]:
-    return {"bos": sp.bos_id, "eos": sp.eos_id, "pad": sp.pad_id}
+    """The ids transformers starts and ends with. The start is EOS, as GPT-2's: documents were
+    encoded without BOS and packed after an EOS, so the BOS row of the embedding was never
+    trained, and a generation (or lm-eval's prefix token) started from it would start from
+    noise; the trainer's own ``generate`` starts from EOS too."""
+    return {"bos": sp.eos_id, "eos": sp.eos_id, "pad": sp.pad_id}
 
 
 def _json_bytes(body: Any) -> bytes:

@@ -274,10 +274,11 @@ def tokenizer_files(sp: SentencePieceModel) -> dict[str, dict[str, Any]]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json. ``split_special_tokens``
     makes a literal "</s>" in text encode as characters, as sentencepiece does; the special ids
     are still the model's (and skipped when decoding with ``skip_special_tokens``)."""
+    # bos_token is the EOS piece (trainer.export: documents follow an EOS, never a BOS)
     specials = {
-        f"{k}_token": sp.special(k)
+        f"{k}_token": sp.special("eos" if k == "bos" else k)
         for k in ("bos", "eos", "unk", "pad")
-        if sp.special(k) is not None
+        if sp.special("eos" if k == "bos" else k) is not None
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -65,7 +65,8 @@ OUTPUT_VERSIONS: dict[str, int] = {
     # 2: bfloat16 runs score with float32 logits (no ties from rounding); bits per byte
     # counts a piece by its token type (a code piece "<>" is two bytes)
     "evaluate": 2,
-    "export": 0,
+    # 1: bos is the EOS id (the token documents were trained after)
+    "export": 1,
 }
 
 

@@ -83,7 +83,7 @@ def test_loads_as_llama(theirs, ours, exported, tiny_run):
         m.vocab_size,
     )
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)  # grouped-query
-    assert not cfg.tie_word_embeddings and (cfg.eos_token_id, cfg.bos_token_id) == (3, 2)
+    assert not cfg.tie_word_embeddings and (cfg.eos_token_id, cfg.bos_token_id) == (3, 3)
     gen = transformers.GenerationConfig.from_pretrained(exported)
     assert (gen.eos_token_id, gen.pad_token_id) == (3, 0)
     assert theirs.lm_head.weight.data_ptr() != theirs.model.embed_tokens.weight.data_ptr()
@@ -111,7 +111,7 @@ def test_logits_match_transformers(ours, theirs, sp, tiny_run):
 
 def test_tokenizer_ids_match_sentencepiece(exported, sp, tiny_run):
     tok = transformers.AutoTokenizer.from_pretrained(exported)
-    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (3, 2, 0)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (3, 3, 0)
     texts = _eval_texts(tiny_run.eval_dir, TEXTS_PER_TASK)
     texts += ["  indented\n\ttab", "émoji 🎉 日本語", " lead", "trail ", "a</s>b<s>", ""]
     assert len(texts) >= 300

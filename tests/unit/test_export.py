@@ -144,6 +144,7 @@ def test_tokenizer_json_encodes_as_sentencepiece(tok):
     config = files["tokenizer_config.json"]
     assert config["add_bos_token"] is False and config["add_eos_token"] is False
     assert config["eos_token"] == "</s>" and config["pad_token"] == "<pad>"
+    assert config["bos_token"] == "</s>"  # what documents were trained after
     import tokenizers  # transformers' (requirements-parity.txt); the export never imports it
 
     fast = tokenizers.Tokenizer.from_str(json.dumps(body))
@@ -234,7 +235,8 @@ def test_export_names_shapes_layout(run, tok, tmp_path):
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
     assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) == (4, 2, hd)
     assert hf["max_position_embeddings"] == SEQ and hf["tie_word_embeddings"] is False
-    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (2, 3, 0)
+    # documents start after an EOS (never a BOS): generation and lm-eval's prefix start there
+    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (3, 3, 0)
     prov = json.loads((out / "slipway_export.json").read_text())
     assert prov["source"]["step"] == 3 and prov["source"]["checkpoint"].endswith("step-000000003")
     assert prov["tokenizer"]["sha256"] == ex.sha256(Path(tok).read_bytes())
