@@ -391,6 +391,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
             raise GenerateError("need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1")
+        longest = max(len(tokenizer.encode(p)) for p in prompts) + args.max_new_tokens
+        if longest > cfg.seq_len:
+            print(
+                f"warning: a prompt and its new tokens reach {longest} positions, past the "
+                f"{cfg.seq_len} the model was trained on (seq_len): the positions after "
+                "them were never trained",
+                file=sys.stderr,
+            )
     except (ConfigError, GenerateError, OSError) as e:
         print(f"cannot generate: {e}", file=sys.stderr)
         return 2

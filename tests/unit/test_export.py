@@ -459,7 +459,7 @@ def test_read_prompts():
         gen.read_prompts('{"text": "no prompt"}')
 
 
-def test_generate_cli(run, tok, tmp_path):
+def test_generate_cli(run, tok, tmp_path, capsys):
     config, params = run
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('def main():\n{"prompt": "import os"}\n', encoding="utf-8")
@@ -474,6 +474,10 @@ def test_generate_cli(run, tok, tmp_path):
         assert r["stopped"] in ("eos", "length")
         ids = r["token_ids"][:-1] if r["stopped"] == "eos" else r["token_ids"]
         assert r["completion"] == sp.decode(ids)
+    assert "past the" not in capsys.readouterr().err
+    # a generation longer than the trained context runs, and says so
+    assert gen.main([*args, "--max-new-tokens", str(SEQ), "--output", str(out)]) == 0
+    assert f"positions, past the {SEQ} the model was trained on" in capsys.readouterr().err
     assert gen.main([*args, "--step", "9"]) == 2
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"\x0f\x00garbage")  # a parse error, not a traceback (exit 1)
