@@ -52,11 +52,13 @@ def encode_pair(encode: Encode, context: str, continuation: str) -> tuple[list[i
 @dataclass(frozen=True)
 class Scored:
     """A request's summed log-likelihood, whether every continuation token was the greedy
-    (argmax) prediction, and its continuation's token count."""
+    (argmax) prediction, its continuation's token count, and whether its context was cut
+    from the left to fit the model's context (as the harness does, silently)."""
 
     loglikelihood: float
     is_greedy: bool
     tokens: int
+    truncated: bool = False
 
 
 def _bucket(n: int, max_len: int) -> int:
@@ -145,11 +147,13 @@ class Scorer:
     ) -> list[Scored]:
         """(context ids, continuation ids) per request -> its :class:`Scored`, in order."""
         windows = []
+        cut: list[bool] = []
         for ctx, cont in requests:
             if not cont:
                 raise ValueError("a request with an empty continuation")
             ids = [*ctx, *cont][-(self.max_len + 1) :]
             windows.append((ids[:-1], ids[1:], min(len(cont), len(ids) - 1)))
+            cut.append(len(ctx) + len(cont) > len(ids))
         # longest first, as the harness orders them: equal lengths share a bucket
         order = sorted(range(len(windows)), key=lambda i: (-len(windows[i][0]), i))
         out: list[Scored | None] = [None] * len(windows)
@@ -180,7 +184,9 @@ class Scorer:
             for row, r in enumerate(batch):
                 inp, _, n_cont = windows[r]
                 span = slice(len(inp) - n_cont, len(inp))
-                out[r] = Scored(float(lp[row, span].sum()), bool(greedy[row, span].all()), n_cont)
+                out[r] = Scored(
+                    float(lp[row, span].sum()), bool(greedy[row, span].all()), n_cont, cut[r]
+                )
             done += len(batch)
             if progress is not None:
                 progress(done, len(windows))
@@ -202,6 +208,7 @@ def example_results(task: Task, example: Example, scored: Sequence[Scored]) -> d
     """One example's per-request scores and outcome (the harness's ``process_results``)."""
     lls = [s.loglikelihood for s in scored]
     row: dict[str, Any] = {"doc_id": example.doc_id, "gold": example.gold, "loglikelihoods": lls}
+    row["truncated"] = any(s.truncated for s in scored)
     if task.kind == "loglikelihood":
         row["acc"] = float(scored[0].is_greedy)
         row["tokens"] = scored[0].tokens
@@ -225,7 +232,8 @@ def perplexity_of(nll: float) -> float:
 
 
 def task_metrics(task: Task, examples: Sequence[Example], rows: Sequence[dict]) -> dict[str, Any]:
-    """A task's summary: n, shots, acc and acc_norm with standard errors, chance, perplexity."""
+    """A task's summary: n, shots, acc and acc_norm with standard errors, chance, perplexity,
+    and how many examples had a context cut to fit."""
     accs = [r["acc"] for r in rows]
     norms = [r["acc_norm"] for r in rows] if task.acc_norm else []
     perplexity = None
@@ -242,6 +250,9 @@ def task_metrics(task: Task, examples: Sequence[Example], rows: Sequence[dict]) 
         "acc_norm_stderr": mean_stderr(norms) if norms else None,
         "chance": chance(task, examples),
         "perplexity": perplexity,
+        # examples with a request whose context was cut from the left to fit seq_len: their
+        # shots or passage were partly unseen (the harness cuts silently; this says how often)
+        "truncated": sum(bool(r.get("truncated")) for r in rows),
     }
 
 

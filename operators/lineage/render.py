@@ -153,6 +153,8 @@ def render_benchmarks(rows: Sequence[tuple[str, Mapping[str, object]]]) -> list[
         below += under
         mark = "  ~chance" if at_chance else "  below chance" if under else ""
         extra = f"  perplexity {c['perplexity']:.4g}" if c.get("perplexity") is not None else ""
+        if c.get("truncated"):  # contexts cut from the left to fit seq_len: shots partly unseen
+            extra += f"  {c['truncated']} of {c.get('n')} contexts cut to fit"
         lines.append(
             f"  {task:<16}{c.get('n')!s:>6}{c.get('shots', 0)!s:>6}  {_score(acc, err)}  "
             f"{_score(c.get('acc_norm'), c.get('acc_norm_stderr'))}  "

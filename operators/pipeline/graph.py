@@ -63,7 +63,8 @@ OUTPUT_VERSIONS: dict[str, int] = {
     "train": 0,
     # 1: an MoE model's padding takes no expert capacity; non-finite metrics kept as null
     # 2: bfloat16 runs score with float32 logits (no ties from rounding); bits per byte
-    # counts a piece by its token type (a code piece "<>" is two bytes)
+    # counts a piece by its token type (a code piece "<>" is two bytes); tasks count the
+    # examples whose context was cut to fit seq_len ("truncated")
     "evaluate": 2,
     # 1: bos is the EOS id (the token documents were trained after)
     "export": 1,

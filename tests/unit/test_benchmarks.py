@@ -215,9 +215,15 @@ def test_metrics_arithmetic():
     assert (row["pred"], row["acc"], row["pred_norm"], row["acc_norm"]) == (0, 0.0, 0, 0.0)
     row = example_results(task, ex, [Scored(-4.0, False, 2), Scored(-3.0, False, 1)])
     assert (row["acc"], row["acc_norm"]) == (1.0, 0.0)  # -4/4 = -1 beats -3/1 for acc_norm
+    assert row["truncated"] is False
     rows = [{"acc": a, "acc_norm": a} for a in (1.0, 0.0, 1.0, 1.0)]
     m = task_metrics(task, [ex] * 4, rows)
-    assert m["acc"] == 0.75 and m["chance"] == 0.5
+    assert m["acc"] == 0.75 and m["chance"] == 0.5 and m["truncated"] == 0
+    cut = example_results(
+        task, ex, [Scored(-4.0, False, 2, truncated=True), Scored(-3.0, False, 1)]
+    )
+    assert cut["truncated"] is True
+    assert task_metrics(task, [ex] * 2, [cut, row])["truncated"] == 1
     assert m["acc_stderr"] == pytest.approx(math.sqrt(0.75 * 0.25 / 3))
     assert mean_stderr([1.0]) is None
     lam = TASKS["lambada_openai"]
@@ -252,6 +258,7 @@ def test_scorer_matches_full_forward_log_softmax(monkeypatch):
     meshes = traced_meshes(monkeypatch)
     got = scorer.score(requests)
     assert meshes and set(meshes) == {dist.AXES}  # traced under its mesh (splash on TPU)
+    assert [s.truncated for s in got] == [False, False, False, True, False]  # 64 > 41 tokens
 
     @jax.jit
     def logits_of(tokens):  # (1, 40): padding after the tokens changes nothing before it

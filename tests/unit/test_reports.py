@@ -343,6 +343,10 @@ def test_a_score_well_under_chance_is_flagged_apart_from_one_at_chance(store):
     assert not marks["arc_easy"].endswith("chance")
     assert printed[5].startswith("  1 of 3 within 2 standard errors of chance")
     assert printed[6].startswith("  1 of 3 more than 2 standard errors under chance")
+    # how many contexts were cut to fit seq_len (the harness does it silently) is printed
+    cut = render_benchmarks([("mmlu_5shot", {"n": 200, "acc": 0.3, "truncated": 150})])
+    assert cut[2].endswith("150 of 200 contexts cut to fit")
+    assert "cut" not in render_benchmarks([("mmlu", {"n": 200, "acc": 0.3, "truncated": 0})])[2]
 
 
 def test_airflows_record_of_a_dag_run_is_the_one_shown(store):
