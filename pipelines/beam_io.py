@@ -79,6 +79,14 @@ def _holds_files(path: str) -> bool:
     return any(files for _, _, files in os.walk(path))
 
 
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
+    """``hf:NAME[:CONFIG][@SPLIT]`` -> (NAME, CONFIG, SPLIT); a NAME that is a URL keeps its
+    colons (no CONFIG)."""
+    name, _, split = spec[len(HF_PREFIX) :].partition("@")
+    name, _, config = name.partition(":") if "://" not in name else (name, "", "")
+    return name, config or None, split or None
+
+
 def hf_hub_name(name: str) -> bool:
     """Whether ``hf:NAME`` names a dataset on the Hugging Face Hub, not a local one or a URL.
 
@@ -103,13 +111,13 @@ def glob_files(spec: str) -> list[str]:
     not documents: read as such they would all be dropped as invalid); a file named without a
     wildcard is read as named."""
     files = storage.expand_glob(spec)
-    if not any(c in spec for c in "*?["):
+    if not storage.is_glob(spec):
         return files
     # Only folders the wildcards match count: a dead_letter/ in the glob's fixed part is the
     # user's own folder (as a folder input given there would be read)
     fixed = []
     for part in spec.split("/"):
-        if any(c in part for c in "*?["):
+        if storage.is_glob(part):
             break
         fixed.append(part)
     base = storage.strip_protocol("/".join(fixed) or ".").rstrip("/")
@@ -119,6 +127,17 @@ def glob_files(spec: str) -> list[str]:
         if DEAD_LETTER_FOLDER not in below:
             kept.append(path)
     return kept
+
+
+def no_files_message(spec: str) -> str:
+    """Why an input names nothing: no match at all, or (a glob) matches in dead-letter folders
+    only."""
+    if storage.is_glob(spec) and storage.expand_glob(spec):
+        return (
+            f"input {spec!r} matches no files outside {DEAD_LETTER_FOLDER}/ folders"
+            " (dead letters are not documents)"
+        )
+    return f"input {spec!r} matches no files"
 
 
 def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource]:
@@ -132,11 +151,10 @@ def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource
     sources: list[InputSource] = []
     for spec in specs:
         if spec.startswith(HF_PREFIX):
-            name, _, split = spec[len(HF_PREFIX) :].partition("@")
-            name, _, config = name.partition(":") if "://" not in name else (name, "", "")
+            name, config, split = parse_hf_spec(spec)
             hub = hf_hub_name(name)
             sources.extend(
-                InputSource("hf", name, config or None, split or "train", i, hf_shards, hub)
+                InputSource("hf", name, config, split or "train", i, hf_shards, hub)
                 for i in range(hf_shards)
             )
             continue
@@ -152,12 +170,7 @@ def resolve_inputs(specs: Iterable[str], hf_shards: int = 8) -> list[InputSource
         is_folder = storage.filesystem(spec).isdir(spec)
         files = _folder_files(spec) if is_folder else glob_files(spec)
         if not files:
-            if not is_folder and storage.expand_glob(spec):
-                raise FileNotFoundError(
-                    f"input {spec!r} matches no files outside {DEAD_LETTER_FOLDER}/ folders"
-                    " (dead letters are not documents)"
-                )
-            raise FileNotFoundError(f"input {spec!r} matches no files")
+            raise FileNotFoundError(no_files_message(spec))
         for path in files:
             kind = _supported(path)
             if kind is None:

@@ -46,6 +46,8 @@ from pipelines.beam_io import (
     ReadRecords,
     glob_files,
     hf_hub_name,
+    no_files_message,
+    parse_hf_spec,
     write_dead_letters,
     write_documents,
 )
@@ -207,12 +209,11 @@ def clear_output(output: str) -> None:
 def _matches(spec: str) -> bool:
     """Whether a file, folder or glob input names anything (local or on an object store); a
     glob's matches in ``dead_letter/`` folders do not count (``beam_io.glob_files``)."""
-    if any(c in spec for c in "*?["):
+    if storage.is_glob(spec):
         return bool(glob_files(spec))
     return storage.exists(spec)
 
 
-_GLOB_CHARS = "*?["
 # Config fields that name paths a stage reads besides its inputs: decontamination's eval sets,
 # tokenize's tokenizer. Clearing the output must not delete them either.
 READ_PATH_FIELDS = ("eval_sets", "tokenizer")
@@ -231,13 +232,12 @@ def comparable_path(spec: str) -> tuple[str, bool]:
     ``gs://b/y``), an ``hf:`` spec is its dataset name or folder. A glob is the literal text
     before its first wildcard (its folders normalized): every match starts with it."""
     if spec.startswith(HF_PREFIX):
-        spec, _, _ = spec[len(HF_PREFIX) :].partition("@")
-        spec = spec if "://" in spec else spec.partition(":")[0]
+        spec = parse_hf_spec(spec)[0]
     scheme, separator, rest = spec.partition("://")
     if not separator or scheme == "file":
         scheme, rest = "", rest if separator else spec
     url = f"{scheme}://" if scheme else ""
-    wildcards = [rest.index(c) for c in _GLOB_CHARS if c in rest]
+    wildcards = [rest.index(c) for c in storage.GLOB_CHARS if c in rest]
     if not wildcards:
         return url + _normalized(rest, bool(url)), False
     head = rest[: min(wildcards)]
@@ -250,10 +250,7 @@ def comparable_path(spec: str) -> tuple[str, bool]:
 
 def _hf_hub_spec(spec: str) -> bool:
     """Whether ``spec`` is ``hf:NAME[:CONFIG][@SPLIT]`` naming a Hub dataset (no local path)."""
-    if not spec.startswith(HF_PREFIX):
-        return False
-    name = spec[len(HF_PREFIX) :].partition("@")[0]
-    return hf_hub_name(name if "://" in name else name.partition(":")[0])
+    return spec.startswith(HF_PREFIX) and hf_hub_name(parse_hf_spec(spec)[0])
 
 
 def overlaps(output: str, spec: str) -> bool:
@@ -343,8 +340,7 @@ def prepare_run(
     check_output_apart(stage, output, inputs, reads)
     for spec in inputs:  # before the output is cleared: a mistyped input keeps the last one
         if not spec.startswith(HF_PREFIX) and not _matches(spec):
-            where = " outside dead_letter/ folders" if storage.expand_glob(spec) else ""
-            raise StageError(f"{stage}: input {spec!r} matches no files{where}")
+            raise StageError(f"{stage}: {no_files_message(spec)}")
     return options
 
 

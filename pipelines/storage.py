@@ -37,13 +37,21 @@ def expand_glob(pattern: str) -> list[str]:
     """Sorted matches of a glob (a plain path matches itself), with the protocol kept."""
     fs, _ = fsspec.core.url_to_fs(pattern)
     protocol = pattern.split("://", 1)[0] + "://" if "://" in pattern else ""
-    matches = fs.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]
+    matches = fs.glob(pattern) if is_glob(pattern) else [pattern]
     found = []
     for match in matches:
         full = match if match.startswith(protocol) else protocol + match
         if fs.isfile(full):
             found.append(full)
     return sorted(found)
+
+
+GLOB_CHARS = "*?["
+
+
+def is_glob(pattern: str) -> bool:
+    """Whether ``pattern`` holds a wildcard (``*``, ``?``, ``[``)."""
+    return any(c in pattern for c in GLOB_CHARS)
 
 
 def strip_protocol(path: str) -> str:

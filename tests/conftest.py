@@ -61,6 +61,22 @@ def _empty_memory_filesystem():
     MemoryFileSystem.pseudo_dirs[:] = [""]
 
 
+# -- the fake Kubernetes API server (tests/fakes/k8s_api.py) and a kubeconfig for it --------
+
+
+@pytest.fixture
+def fake():
+    from tests.fakes.k8s_api import FakeKubernetesApiServer
+
+    with FakeKubernetesApiServer() as server:
+        yield server
+
+
+@pytest.fixture
+def kubeconfig(tmp_path, fake) -> Path:
+    return fake.write_kubeconfig(tmp_path / "kubeconfig")
+
+
 # -- a real PostgreSQL server for the lineage store (pgserver: binaries in the wheel) ---------
 
 

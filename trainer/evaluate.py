@@ -102,6 +102,8 @@ def evaluate_store(
         # every host builds the same (small) eval batch and hands over its own slices
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
+    # the bytes of every id, once: looked up per predicted token, not asked of sentencepiece
+    id_bytes = token_byte_table(tokenizer) if tokenizer is not None else None
     total, count, decoded_bytes = 0.0, 0.0, 0
     for first in range(0, n_windows, batch_size):
         idx = list(range(first, min(first + batch_size, n_windows)))
@@ -110,8 +112,8 @@ def evaluate_store(
         for j, w in enumerate(idx):  # padding rows get weight 0
             rows[j] = store.read(w * seq_len, seq_len + 1)
             weights[j] = 1.0
-            if tokenizer is not None:  # bytes of exactly the predicted (target) tokens
-                decoded_bytes += sum(token_bytes(tokenizer, int(t)) for t in rows[j, 1:])
+            if id_bytes is not None:  # bytes of exactly the predicted (target) tokens
+                decoded_bytes += int(id_bytes[rows[j, 1:]].sum())
         batch = documents(global_array(rows, row_sharding))
         s, c = step(params, router_bias, batch, global_array(weights, weight_sharding))
         total += float(s)
@@ -143,6 +145,11 @@ def token_bytes(tokenizer: Any, token: int) -> int:
     if tokenizer.is_control(token) or tokenizer.is_unknown(token) or tokenizer.is_unused(token):
         return 0
     return len(tokenizer.id_to_piece(token).replace("\u2581", " ").encode("utf-8"))
+
+
+def token_byte_table(tokenizer: Any) -> np.ndarray:
+    """``token_bytes`` of every id of the tokenizer's vocabulary: (V,) int64."""
+    return np.array([token_bytes(tokenizer, t) for t in range(tokenizer.get_piece_size())])
 
 
 def main(argv: list[str] | None = None) -> int:

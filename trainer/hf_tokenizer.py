@@ -275,11 +275,8 @@ def tokenizer_files(sp: SentencePieceModel) -> dict[str, dict[str, Any]]:
     makes a literal "</s>" in text encode as characters, as sentencepiece does; the special ids
     are still the model's (and skipped when decoding with ``skip_special_tokens``)."""
     # bos_token is the EOS piece (trainer.export: documents follow an EOS, never a BOS)
-    specials = {
-        f"{k}_token": sp.special("eos" if k == "bos" else k)
-        for k in ("bos", "eos", "unk", "pad")
-        if sp.special("eos" if k == "bos" else k) is not None
-    }
+    pieces = {"bos": sp.special("eos")} | {k: sp.special(k) for k in ("eos", "unk", "pad")}
+    specials = {f"{k}_token": piece for k, piece in pieces.items() if piece is not None}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": False,

@@ -200,12 +200,13 @@ def read_docs(path: str) -> Iterator[Doc]:
             if line.strip():
                 try:
                     d = json.loads(line)
-                    yield {**d.get("metadata", {}), "id": d["id"], "text": d["text"]}
+                    doc = {**d.get("metadata", {}), "id": d["id"], "text": d["text"]}
                 except (ValueError, KeyError, TypeError, AttributeError) as e:
                     raise TaskError(
                         f"{path}:{number}: not an evaluation document ({type(e).__name__}: "
                         f"{e}); run `make corpora` again"
                     ) from e
+                yield doc
 
 
 def _round_robin(docs: list[Doc], key: str, limit: int) -> list[Doc]:

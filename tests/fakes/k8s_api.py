@@ -34,7 +34,6 @@ received; :attr:`deletions` every DELETE's options; :attr:`requests` every reque
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import json
 import re
@@ -47,6 +46,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+from tests.support.jobset_crd import crd_validator
 
 GROUP = "jobset.x-k8s.io"
 API_VERSION = f"{GROUP}/v1alpha2"
@@ -69,9 +70,6 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 _LABEL_VALUE_RE = "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
 _LABEL_VALUE = re.compile(_LABEL_VALUE_RE)
 _NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
-# The JobSet CRD the clusters run (operators/jobset/crd/README.md): its OpenAPI schema is what
-# the API server checks a JobSet's body against.
-CRD_FILE = Path(__file__).resolve().parents[2] / "operators/jobset/crd/jobset.x-k8s.io_jobsets.yaml"
 
 
 def _now() -> str:
@@ -780,7 +778,7 @@ def invalid_fields(body: Mapping[str, Any]) -> list[str]:
     """
     problems = [
         f"{'.'.join(map(str, e.absolute_path)) or '<body>'}: {e.message}"
-        for e in _crd_validator().iter_errors(body)
+        for e in crd_validator(reject_unknown=False).iter_errors(body)
     ]
     problems += _meta_problems(body.get("metadata"), "metadata")
     spec = body.get("spec") if isinstance(body.get("spec"), Mapping) else {}
@@ -846,28 +844,3 @@ def _qualified_name_problems(key: Any) -> list[str]:
             "63 characters"
         )
     return problems
-
-
-@functools.cache
-def _crd_validator() -> Any:
-    """The CRD's v1alpha2 schema as a validator (loaded once per process: the file is 800 kB)."""
-    import jsonschema
-    import yaml
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load(CRD_FILE.read_text(), Loader=loader)
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    schema = _int_or_string(version["schema"]["openAPIV3Schema"])
-    return jsonschema.Draft7Validator(schema)
-
-
-def _int_or_string(schema: Any) -> Any:
-    """Spell out ``x-kubernetes-int-or-string`` (an integer or a string) for jsonschema."""
-    if isinstance(schema, list):
-        return [_int_or_string(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _int_or_string(v) for k, v in schema.items()}
-    if out.get("x-kubernetes-int-or-string") and "type" not in out and "anyOf" not in out:
-        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    return out

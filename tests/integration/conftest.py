@@ -1,5 +1,6 @@
 """Fixtures of the gke tests against FakeKubernetesApiServer (test_gke_trigger.py, the
-pipeline's train task; test_gke_sweep.py, the sweep's cells)."""
+pipeline's train task; test_gke_sweep.py, the sweep's cells). The server (``fake``) and its
+``kubeconfig`` are tests/conftest.py's, shared with the unit tests of the backend."""
 
 from __future__ import annotations
 
@@ -7,19 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes.k8s_api import FakeKubernetesApiServer
 from tests.support.gke import IMAGE, NS
-
-
-@pytest.fixture
-def fake():
-    with FakeKubernetesApiServer() as server:
-        yield server
-
-
-@pytest.fixture
-def kubeconfig(tmp_path, fake) -> Path:
-    return fake.write_kubeconfig(tmp_path / "kubeconfig")
 
 
 @pytest.fixture

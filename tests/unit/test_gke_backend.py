@@ -27,22 +27,10 @@ from operators.jobset.gke import (
     bearer_client,
     status_from_object,
 )
-from tests.fakes.k8s_api import FakeKubernetesApiServer
 
 NS = "train"
 VERSION = "a" * 63
 JOBSETS = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
-
-
-@pytest.fixture
-def fake():
-    with FakeKubernetesApiServer() as server:
-        yield server
-
-
-@pytest.fixture
-def kubeconfig(tmp_path, fake) -> Path:
-    return fake.write_kubeconfig(tmp_path / "kubeconfig")
 
 
 class Sleeps(list):

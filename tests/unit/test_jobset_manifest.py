@@ -7,23 +7,19 @@ import ast
 import copy
 import json
 import math
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from operators.jobset import manifest as m
 from operators.jobset.catalogue import CATALOGUE
 from operators.jobset.local import expand
 from operators.jobset.manifest import ManifestError, TrainingLaunch
+from tests.support.jobset_crd import crd_validator
 
 REPO = Path(__file__).resolve().parents[2]
-# The JobSet CRD with its OpenAPI schema, vendored beside the renderer (its README: release).
-CRD = REPO / "operators" / "jobset" / "crd" / "jobset.x-k8s.io_jobsets.yaml"
 # Oldest minor GKE's regular channel still runs, and the newest kubernetes-validate knows.
 K8S_VERSIONS = ("1.31", kubernetes_validate.utils.latest_version())
 
@@ -51,41 +47,10 @@ def launch(**kw: Any) -> TrainingLaunch:
     return TrainingLaunch(**{**base, **kw})
 
 
-def _structural(schema: Any) -> Any:
-    """The CRD schema as the API server applies it: unknown fields are *pruned* (silently
-    dropped) unless x-kubernetes-preserve-unknown-fields, so a typo would vanish rather than
-    fail. Reject them instead; and spell out x-kubernetes-int-or-string."""
-    if isinstance(schema, list):
-        return [_structural(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _structural(v) for k, v in schema.items()}
-    if out.get("x-kubernetes-int-or-string") and "type" not in out and "anyOf" not in out:
-        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if (
-        out.get("type") == "object"
-        and "properties" in out
-        and "additionalProperties" not in out
-        and not out.get("x-kubernetes-preserve-unknown-fields")
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
-@cache
-def crd_validator() -> jsonschema.Validator:
-    crd = yaml.safe_load(CRD.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    schema = _structural(version["schema"]["openAPIV3Schema"])
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
-    cls.check_schema(schema)
-    return cls(schema)
-
-
 def crd_errors(manifest: dict) -> list[str]:
     return [
         f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-        for e in crd_validator().iter_errors(manifest)
+        for e in crd_validator(reject_unknown=True).iter_errors(manifest)
     ]
 
 
