@@ -9,13 +9,16 @@ the rest of the ecosystem without our code::
     DIR/  (local or gs://, through fsspec)
         config.json             LlamaConfig: shapes, rope_theta, norm eps, special ids
         generation_config.json  bos/eos/pad ids (greedy by default)
-        model.safetensors       float32 weights under the Llama names, nn.Linear layout (out, in)
+        model.safetensors       the weights under the Llama names, nn.Linear layout (out, in),
+                                float32 (or --dtype bfloat16); past --max-shard-size (5GB) as
+                                model-0000k-of-0000n.safetensors + model.safetensors.index.json
         tokenizer.json          the sentencepiece BPE model as a `tokenizers` pipeline
         tokenizer.model         the sentencepiece model itself (copied byte for byte)
         tokenizer_config.json   no BOS/EOS added, special tokens named
         special_tokens_map.json
-        slipway_export.json     provenance: checkpoint, step, tokenizer sha256, our config
         README.md
+        slipway_export.json     provenance: checkpoint, step, tokenizer sha256, our config,
+                                every other file's sha256 (written last)
 
 Layout mapping (ours: raw arrays ``(in, ..., out)`` stacked over layers; theirs: ``(out, in)``):
 ``embed`` (V, D) -> ``model.embed_tokens.weight``; ``attn.wq`` (D, H, hd) -> ``q_proj``
@@ -35,7 +38,8 @@ checkpoint, a tokenizer whose vocabulary is not the checkpoint's embedding rows,
 feature the export cannot reproduce, and mixture-of-experts models (see ``check_exportable``).
 
 Deterministic: the same checkpoint and tokenizer give byte-identical files (no timestamps, the
-output folder's own path is recorded nowhere).
+output folder's own path is recorded nowhere). Host memory: the parameters once, plus one
+shard converted and serialized (twice the shard size), written before the next is built.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 import traceback
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import ml_dtypes
 import numpy as np
 
 from trainer import rundir
@@ -61,6 +68,7 @@ from trainer.hf_tokenizer import (
     tokenizer_files,
 )
 
+PROVENANCE = "slipway_export.json"  # written last: its presence marks a finished export
 EMBED_ARRAY = "params.embed"  # the embedding's leaf in a checkpoint (trainer/checkpoint.py)
 
 
@@ -164,35 +172,103 @@ def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = N
 # ---------------------------------------------------------------------------------------------
 # weights
 
+WEIGHT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
+SINGLE_WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # beside model-0000k-of-0000n.safetensors
+_SIZE = re.compile(r"(\d+)(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?")
+_UNITS = {
+    None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+}  # fmt: skip
 
-def hf_state_dict(params: Any) -> dict[str, np.ndarray]:
-    """Our parameters (a ``Transformer``; any array type) -> float32 numpy arrays under the
-    Llama names, nn.Linear weights (out, in). See the module docstring for the mapping."""
+
+def parse_size(text: str) -> int:
+    """``5GB`` (10^9, as transformers reads it), ``512MiB``, or bytes -> bytes; ValueError."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None or int(m[1]) == 0:
+        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB, 2GiB or 1000000 (bytes)")
+    return int(m[1]) * _UNITS[m[2]]
+
+
+def hf_weights(params: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """Our parameters (a ``Transformer`` of host arrays) -> (Llama name, weight) in
+    transformers' order, each nn.Linear weight (out, in). Views, not copies: a caller
+    converts one shard's worth at a time. See the module docstring for the mapping."""
     cfg = params.cfg
-    f32 = lambda a: np.ascontiguousarray(np.asarray(a, dtype=np.float32))  # noqa: E731
     d = cfg.hidden_dim
     layers = params.layers
-    out: dict[str, np.ndarray] = {"model.embed_tokens.weight": f32(params.embed)}
+    attn = {n: np.asarray(getattr(layers.attn, n)) for n in ("wq", "wk", "wv", "wo")}
+    mlp = {n: np.asarray(getattr(layers.mlp, n)) for n in ("w_gate", "w_up", "w_down")}
+    attn_norm, mlp_norm = np.asarray(layers.attn_norm.weight), np.asarray(layers.mlp_norm.weight)
+    yield "model.embed_tokens.weight", np.asarray(params.embed)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        wq, wk, wv, wo = (np.asarray(getattr(layers.attn, n)[i]) for n in ("wq", "wk", "wv", "wo"))
-        out[p + "self_attn.q_proj.weight"] = f32(wq.reshape(d, -1).T)
-        out[p + "self_attn.k_proj.weight"] = f32(wk.reshape(d, -1).T)
-        out[p + "self_attn.v_proj.weight"] = f32(wv.reshape(d, -1).T)
-        out[p + "self_attn.o_proj.weight"] = f32(wo.reshape(-1, d).T)
-        out[p + "mlp.gate_proj.weight"] = f32(np.asarray(layers.mlp.w_gate[i]).T)
-        out[p + "mlp.up_proj.weight"] = f32(np.asarray(layers.mlp.w_up[i]).T)
-        out[p + "mlp.down_proj.weight"] = f32(np.asarray(layers.mlp.w_down[i]).T)
-        out[p + "input_layernorm.weight"] = f32(layers.attn_norm.weight[i])
-        out[p + "post_attention_layernorm.weight"] = f32(layers.mlp_norm.weight[i])
-    out["model.norm.weight"] = f32(params.final_norm.weight)
+        yield p + "self_attn.q_proj.weight", attn["wq"][i].reshape(d, -1).T
+        yield p + "self_attn.k_proj.weight", attn["wk"][i].reshape(d, -1).T
+        yield p + "self_attn.v_proj.weight", attn["wv"][i].reshape(d, -1).T
+        yield p + "self_attn.o_proj.weight", attn["wo"][i].reshape(-1, d).T
+        yield p + "mlp.gate_proj.weight", mlp["w_gate"][i].T
+        yield p + "mlp.up_proj.weight", mlp["w_up"][i].T
+        yield p + "mlp.down_proj.weight", mlp["w_down"][i].T
+        yield p + "input_layernorm.weight", attn_norm[i]
+        yield p + "post_attention_layernorm.weight", mlp_norm[i]
+    yield "model.norm.weight", np.asarray(params.final_norm.weight)
     if params.lm_head is not None:
-        out["lm_head.weight"] = f32(np.asarray(params.lm_head).T)
-    return out
+        yield "lm_head.weight", np.asarray(params.lm_head).T
 
 
-def hf_config(mcfg: Any, cfg: TrainConfig, sp: SentencePieceModel) -> dict[str, Any]:
-    """config.json of ``LlamaForCausalLM`` for the resolved model config ``mcfg``."""
+def plan_shards(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Names in order, cut into consecutive shards of at most ``max_bytes`` of weights each
+    (a weight larger than that alone in its own), as transformers' ``save_pretrained`` cuts."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, size in sizes:
+        if shards[-1] and filled + size > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += size
+    return shards
+
+
+def weight_files(
+    params: Any, dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Iterator[tuple[str, bytes]]:
+    """The safetensors files, one shard at a time (``model.safetensors`` when one suffices;
+    else ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``, the
+    layout transformers writes and reads), so the host holds the parameters plus one shard
+    converted and serialized, not the model three times over."""
+    from safetensors.numpy import save as save_safetensors
+
+    np_dtype = np.dtype(WEIGHT_DTYPES[dtype])
+    weights = dict(hf_weights(params))
+    sizes = [(name, w.size * np_dtype.itemsize) for name, w in weights.items()]
+    shards = plan_shards(sizes, max_shard_bytes)
+    names = (
+        [SINGLE_WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    )
+    for file, shard in zip(names, shards, strict=True):
+        tensors = {n: np.ascontiguousarray(weights[n], dtype=np_dtype) for n in shard}
+        yield file, save_safetensors(tensors, metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(size for _, size in sizes)},
+            "weight_map": {
+                n: file for file, shard in zip(names, shards, strict=True) for n in shard
+            },
+        }
+        yield WEIGHTS_INDEX, _json_bytes(index, sort_keys=True)
+
+
+def hf_config(
+    mcfg: Any, cfg: TrainConfig, sp: SentencePieceModel, dtype: str = "float32"
+) -> dict[str, Any]:
+    """config.json of ``LlamaForCausalLM`` for the resolved model config ``mcfg``, whose
+    weights are written in ``dtype``."""
     ids = {f"{k}_token_id": (i if i >= 0 else None) for k, i in _special_ids(sp).items()}
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -217,7 +293,7 @@ def hf_config(mcfg: Any, cfg: TrainConfig, sp: SentencePieceModel) -> dict[str, 
         "tie_word_embeddings": mcfg.tie_embeddings,
         "initializer_range": mcfg.init_std,
         "use_cache": True,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         **ids,
     }
 
@@ -230,8 +306,8 @@ def _special_ids(sp: SentencePieceModel) -> dict[str, int]:
     return {"bos": sp.eos_id, "eos": sp.eos_id, "pad": sp.pad_id}
 
 
-def _json_bytes(body: Any) -> bytes:
-    return (json.dumps(body, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+def _json_bytes(body: Any, sort_keys: bool = False) -> bytes:
+    return (json.dumps(body, indent=2, ensure_ascii=False, sort_keys=sort_keys) + "\n").encode()
 
 
 def sha256(data: bytes) -> str:
@@ -242,26 +318,33 @@ def config_sha256(cfg: TrainConfig) -> str:
     return sha256(json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":")).encode())
 
 
-def export_files(source: Source, params: Any) -> dict[str, bytes]:
-    """Every file of the export folder, by name (pure: the same inputs give the same bytes)."""
-    from safetensors.numpy import save as save_safetensors
-
+def export_files(
+    source: Source,
+    params: Any,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Iterator[tuple[str, bytes]]:
+    """Every file of the export folder as (name, bytes), one at a time: the weights first
+    (a shard at a time), the provenance, which holds every other file's sha256, last. Pure:
+    the same inputs give the same bytes."""
     cfg, sp = source.cfg, source.tokenizer
     mcfg = params.cfg
-    weights = save_safetensors(hf_state_dict(params), metadata={"format": "pt"})
-    files: dict[str, bytes] = {
-        "config.json": _json_bytes(hf_config(mcfg, cfg, sp)),
-        "generation_config.json": _json_bytes(
-            {
-                **{f"{k}_token_id": i for k, i in _special_ids(sp).items() if i >= 0},
-                "do_sample": False,
-            }
-        ),
-        "model.safetensors": weights,
-        "tokenizer.model": source.tokenizer_bytes,
-    }
-    for name, body in tokenizer_files(sp).items():
-        files[name] = _json_bytes(body)
+
+    def files() -> Iterator[tuple[str, bytes]]:
+        yield from weight_files(params, dtype, max_shard_bytes)
+        yield "config.json", _json_bytes(hf_config(mcfg, cfg, sp, dtype))
+        generation = {f"{k}_token_id": i for k, i in _special_ids(sp).items() if i >= 0}
+        yield "generation_config.json", _json_bytes({**generation, "do_sample": False})
+        yield "tokenizer.model", source.tokenizer_bytes
+        for name, body in tokenizer_files(sp).items():
+            yield name, _json_bytes(body)
+        yield "README.md", _readme(source, mcfg, dtype).encode("utf-8")
+
+    hashes: dict[str, str] = {}
+    for name, data in files():
+        hashes[name] = sha256(data)
+        yield name, data
+        del data  # not held while the next shard is built
     provenance = {
         "format": "slipway-hf-export/v1",
         "architecture": "LlamaForCausalLM",
@@ -274,20 +357,20 @@ def export_files(source: Source, params: Any) -> dict[str, bytes]:
         "config_sha256": config_sha256(cfg),
         "config": to_dict(cfg),
         "model": to_dict(mcfg),
-        "files": {name: sha256(data) for name, data in sorted(files.items())},
+        "dtype": dtype,
+        "files": dict(sorted(hashes.items())),
     }
-    files["slipway_export.json"] = _json_bytes(provenance)
-    files["README.md"] = _readme(source, mcfg).encode("utf-8")
-    return files
+    yield PROVENANCE, _json_bytes(provenance)
 
 
-def _readme(source: Source, mcfg: Any) -> str:
+def _readme(source: Source, mcfg: Any, dtype: str) -> str:
     cfg = source.cfg
     tied = "tied" if mcfg.tie_embeddings else "untied"
     return (
         "# Slipway export\n\n"
         "A decoder trained by Slipway's JAX trainer (`trainer/`), exported by "
-        "`python -m trainer.export` as a Hugging Face `LlamaForCausalLM` (float32 safetensors) "
+        "`python -m trainer.export` as a Hugging Face `LlamaForCausalLM` "
+        f"({dtype} safetensors) "
         "with its tokenizer (sentencepiece BPE, as `tokenizer.json` and `tokenizer.model`).\n\n"
         f"- checkpoint: `{source.checkpoint}` (step {source.step})\n"
         f"- config sha256: `{config_sha256(cfg)}` (the trainer config, in `slipway_export.json`)\n"
@@ -306,14 +389,16 @@ def _readme(source: Source, mcfg: Any) -> str:
     )
 
 
-def write_files(out: str, files: dict[str, bytes]) -> None:
-    """Write the files under ``out`` (local or gs://), the provenance file last."""
+def write_files(out: str, files: Iterable[tuple[str, bytes]]) -> None:
+    """Write the files under ``out`` (local or gs://) in the order given (``export_files``
+    gives the provenance last: a folder without it is an export that did not finish), each
+    dropped once written."""
     fs, base = fsspec.core.url_to_fs(out)
     fs.makedirs(base, exist_ok=True)
-    last = "slipway_export.json"
-    for name in [*sorted(n for n in files if n != last), last]:
+    for name, data in files:
         with fs.open(f"{base.rstrip('/')}/{name}", "wb") as f:
-            f.write(files[name])
+            f.write(data)
+        del data  # the next shard is built while the loop variable would still hold this one
 
 
 def load_source_params(source: Source) -> Any:
@@ -338,12 +423,11 @@ def load_source_params(source: Source) -> Any:
     return jax.tree_util.tree_map(host, params)
 
 
-def export(cfg: TrainConfig, tokenizer_path: str, out: str, step: int | None = None) -> Source:
-    """Check, load, convert and write; returns what was exported."""
-    source = check_exportable(cfg, tokenizer_path, step)
-    params = load_source_params(source)
-    write_files(out, export_files(source, params))
-    return source
+def _shard_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:  # argparse names the option and exits 2
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,6 +437,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
     parser.add_argument("--tokenizer", required=True, help="the run's sentencepiece model")
     parser.add_argument("--out", required=True, help="output folder (local or gs://)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(WEIGHT_DTYPES),
+        default="float32",
+        help="the weights' type (default float32, the checkpoint's own: bfloat16 halves the "
+        "folder and rounds every weight)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        metavar="SIZE",
+        help="the most weight bytes per safetensors file, e.g. 5GB (the default, as "
+        "transformers'), 500MB, 2GiB: a larger model is written as shards with an index",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, require_data=False)
@@ -365,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         if jax.process_index() == 0:
-            write_files(args.out, export_files(source, params))
+            files = export_files(source, params, args.dtype, args.max_shard_size)
+            write_files(args.out, files)
     except Exception:
         traceback.print_exc()
         return 1

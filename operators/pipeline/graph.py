@@ -67,7 +67,9 @@ OUTPUT_VERSIONS: dict[str, int] = {
     # examples whose context was cut to fit seq_len ("truncated")
     "evaluate": 2,
     # 1: bos is the EOS id (the token documents were trained after)
-    "export": 1,
+    # 2: the provenance records the weights' dtype and hashes README.md; a model past 5 GB
+    # of weights is written as shards with an index
+    "export": 2,
 }
 
 

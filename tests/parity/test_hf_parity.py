@@ -4,7 +4,9 @@ The tiny run (tests/parity/conftest.py: grouped-query attention, untied embeddin
 tokenizer trainer on real text) is exported by ``python -m trainer.export``'s ``main`` and
 loaded back with ``AutoModelForCausalLM`` / ``AutoTokenizer``. Checked:
 
-- the folder loads as ``LlamaForCausalLM`` in float32, with our shapes and special ids;
+- the folder loads as ``LlamaForCausalLM`` in float32, with our shapes and special ids; a
+  sharded export (``--max-shard-size``) loads the same weights, a bfloat16 one (``--dtype``)
+  them rounded;
 - its logits equal ours (``Transformer.__call__``, float32, segments 0, positions arange) on
   real prompts up to ``seq_len`` tokens: max abs difference < ``LOGITS_TOLERANCE`` (measured
   1.4e-6 on logits of magnitude ~3.5; docs/export.md);
@@ -87,6 +89,28 @@ def test_loads_as_llama(theirs, ours, exported, tiny_run):
     gen = transformers.GenerationConfig.from_pretrained(exported)
     assert (gen.eos_token_id, gen.pad_token_id) == (3, 0)
     assert theirs.lm_head.weight.data_ptr() != theirs.model.embed_tokens.weight.data_ptr()
+
+
+def test_sharded_and_bfloat16_exports_load_as_the_same_model(tiny_run, theirs, tmp_path):
+    """transformers reads our shards through their index, and a bfloat16 export as bfloat16
+    (config.json's dtype, with dtype="auto"): every weight is the float32 export's, rounded
+    once for bfloat16."""
+    from trainer.export import main as export_main
+
+    base = ["--config", tiny_run.config, "--tokenizer", tiny_run.tokenizer]
+    sharded, bf16 = tmp_path / "sharded", tmp_path / "bf16"
+    assert export_main([*base, "--out", str(sharded), "--max-shard-size", "100KB"]) == 0
+    argv = [*base, "--out", str(bf16), "--max-shard-size", "100KB", "--dtype", "bfloat16"]
+    assert export_main(argv) == 0
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 2
+    want = theirs.state_dict()
+    for folder, dtype in ((sharded, torch.float32), (bf16, torch.bfloat16)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+        assert model.dtype == dtype
+        got = model.state_dict()
+        assert set(got) == set(want)
+        for name, weight in want.items():
+            assert torch.equal(got[name], weight.to(dtype)), (folder.name, name)
 
 
 def test_logits_match_transformers(ours, theirs, sp, tiny_run):

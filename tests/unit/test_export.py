@@ -262,6 +262,126 @@ def test_export_is_deterministic(run, tok, tmp_path, digest):
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
 
 
+def _tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """A safetensors file's tensors as (dtype, shape, raw bytes), whatever the dtype
+    (safetensors' NumPy API cannot read bfloat16)."""
+    import safetensors
+
+    return {
+        name: (t["dtype"], tuple(t["shape"]), bytes(t["data"]))
+        for name, t in safetensors.deserialize(path.read_bytes())
+    }
+
+
+def _exported(run: tuple[str, Transformer], tok: str, out: Path, *options: str) -> Path:
+    assert ex.main(["--config", run[0], "--tokenizer", tok, "--out", str(out), *options]) == 0
+    return out
+
+
+def test_a_model_past_max_shard_size_is_written_as_transformers_shards(run, tok, tmp_path):
+    whole = _tensors(_exported(run, tok, tmp_path / "one") / "model.safetensors")
+    out = _exported(run, tok, tmp_path / "sharded", "--max-shard-size", "20KB")
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    n = len(shards)
+    assert n > 3 and shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(whole)  # every weight, once
+    assert set(index["weight_map"].values()) == set(shards)
+    merged: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+    for shard in shards:
+        held = _tensors(out / shard)
+        assert {k for k, f in index["weight_map"].items() if f == shard} == set(held)
+        size = sum(len(data) for _, _, data in held.values())
+        assert size <= 20_000 or len(held) == 1, (shard, size)  # only a weight alone may pass
+        merged |= held
+    assert merged == whole  # the same names, dtypes, shapes and bytes as the single file
+    assert index["metadata"]["total_size"] == sum(len(d) for _, _, d in whole.values())
+    # consecutive in transformers' order: the embedding (64 KiB, past the limit) alone first
+    assert set(_tensors(out / shards[0])) == {"model.embed_tokens.weight"}
+    assert set(_tensors(out / shards[-1])) == {"lm_head.weight"}
+    prov = json.loads((out / "slipway_export.json").read_text())
+    written = sorted(p.name for p in out.iterdir() if p.name != "slipway_export.json")
+    assert sorted(prov["files"]) == written
+    assert all(prov["files"][f] == ex.sha256((out / f).read_bytes()) for f in written)
+
+
+def test_bfloat16_export_rounds_each_weight_once(run, tok, tmp_path):
+    import ml_dtypes
+
+    f32 = _tensors(_exported(run, tok, tmp_path / "f32") / "model.safetensors")
+    bf16 = _tensors(
+        _exported(run, tok, tmp_path / "bf16", "--dtype", "bfloat16") / "model.safetensors"
+    )
+    assert set(bf16) == set(f32)
+    for name, (dtype, shape, data) in bf16.items():
+        assert (dtype, shape) == ("BF16", f32[name][1])
+        want = np.frombuffer(f32[name][2], np.float32).astype(ml_dtypes.bfloat16)
+        assert data == want.tobytes(), name
+    hf = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert hf["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "bf16" / "slipway_export.json").read_text())["dtype"] == (
+        "bfloat16"
+    )
+    assert "(bfloat16 safetensors)" in (tmp_path / "bf16" / "README.md").read_text()
+
+
+def test_shards_are_converted_and_written_one_at_a_time(tmp_path, tok):
+    """The host holds the parameters plus one shard in flight, not the model's weights
+    converted and serialized whole (numpy's and bytes' allocations are traced)."""
+    import tracemalloc
+
+    from trainer.config import load_config
+
+    config, _ = _run(tmp_path, hidden_dim=128, intermediate_dim=384, num_layers=6)
+    source = ex.check_exportable(load_config(config, require_data=False), tok)
+    params = ex.load_source_params(source)
+    total = sum(w.size * 4 for _, w in ex.hf_weights(params))
+    largest = max(w.size * 4 for _, w in ex.hf_weights(params))
+    tracemalloc.start()
+    try:
+        files = ex.export_files(source, params, max_shard_bytes=total // 16)
+        ex.write_files(str(tmp_path / "hf"), files)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    shards = len(list((tmp_path / "hf").glob("model-*.safetensors")))
+    assert shards >= 8
+    # one shard converted and one serialized (measured 2.2 shards; 3.2 when the last shard's
+    # bytes were still held while the next was built); the whole model would be 2 x total
+    assert peak < 2.5 * max(largest, total // 16), (peak, total)
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--max-shard-size", "5 GB"),
+        ("--max-shard-size", "5GB;rm -rf /"),
+        ("--max-shard-size", "0"),
+        ("--max-shard-size", "5XB"),
+        ("--dtype", "float16"),
+    ],
+)
+def test_refuses_bad_export_options(run, tok, tmp_path, capsys, flag, value):
+    config, _ = run
+    argv = ["--config", config, "--tokenizer", tok, "--out", str(tmp_path / "hf"), flag, value]
+    with pytest.raises(SystemExit) as exit_:
+        ex.main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_sizes_and_shard_plans():
+    assert ex.parse_size("5GB") == 5 * 10**9  # as transformers reads "5GB"
+    assert ex.parse_size("2GiB") == 2 * 2**30
+    assert ex.parse_size("1000") == 1000
+    # in order; a weight past the limit alone in its own shard
+    sizes = [("a", 4), ("b", 4), ("c", 9), ("d", 2), ("e", 3), ("f", 6)]
+    assert ex.plan_shards(sizes, 8) == [["a", "b"], ["c"], ["d", "e"], ["f"]]
+    assert ex.plan_shards(sizes, 100) == [["a", "b", "c", "d", "e", "f"]]
+
+
 def _refused(capsys, argv: list[str], *needles: str) -> None:
     assert ex.main(argv) == 2
     err = capsys.readouterr().err
