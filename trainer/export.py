@@ -39,7 +39,9 @@ feature the export cannot reproduce, and mixture-of-experts models (see ``check_
 
 Deterministic: the same checkpoint and tokenizer give byte-identical files (no timestamps, the
 output folder's own path is recorded nowhere). Host memory: the parameters once, plus one
-shard converted and serialized (twice the shard size), written before the next is built.
+shard in flight (about three times its size: the converted tensors, safetensors' buffer and
+its copy as bytes), written before the next is built. An earlier export in ``--out`` loses its
+provenance and weight files first, so no stale weights are left beside the new ones.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import sys
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import fsspec
@@ -173,22 +176,27 @@ def check_exportable(cfg: TrainConfig, tokenizer_path: str, step: int | None = N
 # weights
 
 WEIGHT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
+# huggingface_hub's MAX_SHARD_SIZE, the size of most Hub checkpoints' shards (transformers 5's
+# save_pretrained defaults to 50GB: files that large are slow to move and to resume)
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # beside model-0000k-of-0000n.safetensors
-_SIZE = re.compile(r"(\d+)(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?")
+_SHARD = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([KMGT]I?B|B)?", re.IGNORECASE)
 _UNITS = {
-    None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }  # fmt: skip
 
 
 def parse_size(text: str) -> int:
-    """``5GB`` (10^9, as transformers reads it), ``512MiB``, or bytes -> bytes; ValueError."""
+    """``5GB`` (10^9 bytes, as huggingface_hub reads it), ``1.5GB``, ``512MiB``, or bytes ->
+    bytes; ValueError for anything else or nothing."""
     m = _SIZE.fullmatch(text.strip())
-    if m is None or int(m[1]) == 0:
+    size = int(Fraction(m[1]) * _UNITS[(m[2] or "B").upper()]) if m else 0
+    if size <= 0:
         raise ValueError(f"{text!r} is not a size such as 5GB, 500MB, 2GiB or 1000000 (bytes)")
-    return int(m[1]) * _UNITS[m[2]]
+    return size
 
 
 def hf_weights(params: Any) -> Iterator[tuple[str, np.ndarray]]:
@@ -219,16 +227,24 @@ def hf_weights(params: Any) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def plan_shards(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Names in order, cut into consecutive shards of at most ``max_bytes`` of weights each
-    (a weight larger than that alone in its own), as transformers' ``save_pretrained`` cuts."""
-    shards: list[list[str]] = [[]]
+    """Names cut into shards of at most ``max_bytes`` of weights each, as huggingface_hub's
+    ``split_state_dict_into_shards_factory`` (which transformers saves with) cuts them: in
+    order, a shard closed when the next weight would overflow it, and a weight larger than
+    the limit put alone in a shard of its own where it comes, the open shard left open."""
+    shards: list[list[str]] = []
+    current: list[str] = []
     filled = 0
     for name, size in sizes:
-        if shards[-1] and filled + size > max_bytes:
-            shards.append([])
-            filled = 0
-        shards[-1].append(name)
+        if size > max_bytes:
+            shards.append([name])
+            continue
+        if filled + size > max_bytes:
+            shards.append(current)
+            current, filled = [], 0
+        current.append(name)
         filled += size
+    if current:
+        shards.append(current)
     return shards
 
 
@@ -238,7 +254,7 @@ def weight_files(
     """The safetensors files, one shard at a time (``model.safetensors`` when one suffices;
     else ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``, the
     layout transformers writes and reads), so the host holds the parameters plus one shard
-    converted and serialized, not the model three times over."""
+    in flight, not the model three times over."""
     from safetensors.numpy import save as save_safetensors
 
     np_dtype = np.dtype(WEIGHT_DTYPES[dtype])
@@ -392,13 +408,24 @@ def _readme(source: Source, mcfg: Any, dtype: str) -> str:
 def write_files(out: str, files: Iterable[tuple[str, bytes]]) -> None:
     """Write the files under ``out`` (local or gs://) in the order given (``export_files``
     gives the provenance last: a folder without it is an export that did not finish), each
-    dropped once written."""
+    dropped once written. An earlier export's provenance, then its weight files, are removed
+    first: a sharded export over a single-file one would leave ``model.safetensors``, which
+    transformers loads before it looks for an index."""
     fs, base = fsspec.core.url_to_fs(out)
+    base = base.rstrip("/")
     fs.makedirs(base, exist_ok=True)
+    previous = [p for p in fs.ls(base, detail=False) if _is_export_owned(p.rsplit("/", 1)[-1])]
+    for path in sorted(previous, key=lambda p: not p.endswith("/" + PROVENANCE)):
+        fs.rm(path)
     for name, data in files:
-        with fs.open(f"{base.rstrip('/')}/{name}", "wb") as f:
+        with fs.open(f"{base}/{name}", "wb") as f:
             f.write(data)
         del data  # the next shard is built while the loop variable would still hold this one
+
+
+def _is_export_owned(name: str) -> bool:
+    """The files whose names differ from one export to the next (and the provenance)."""
+    return name in (PROVENANCE, SINGLE_WEIGHTS, WEIGHTS_INDEX) or bool(_SHARD.fullmatch(name))
 
 
 def load_source_params(source: Source) -> Any:

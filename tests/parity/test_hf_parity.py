@@ -103,6 +103,18 @@ def test_sharded_and_bfloat16_exports_load_as_the_same_model(tiny_run, theirs, t
     argv = [*base, "--out", str(bf16), "--max-shard-size", "100KB", "--dtype", "bfloat16"]
     assert export_main(argv) == 0
     assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 2
+    # cut as huggingface_hub cuts (what transformers' save_pretrained writes), file for file
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    theirs_cut = split_state_dict_into_shards_factory(
+        {k: v.numpy() for k, v in theirs.state_dict().items()},
+        get_storage_size=lambda a: a.nbytes,
+        max_shard_size="100KB",
+        filename_pattern="model{suffix}.safetensors",  # transformers' SAFE_WEIGHTS_NAME
+    )
+    assert index["weight_map"] == theirs_cut.tensor_to_filename
+    assert index["metadata"]["total_size"] == theirs_cut.metadata["total_size"]
     want = theirs.state_dict()
     for folder, dtype in ((sharded, torch.float32), (bf16, torch.bfloat16)):
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
