@@ -98,11 +98,7 @@ def hf_hub_name(name: str) -> bool:
     """
     if not name or "://" in name or os.path.isabs(name) or name.startswith((".", "~")):
         return False
-    if name.count("/") > 1:
-        return False
-    # A finished stage output there is Slipway's, not a dataset the user meant: the stage that
-    # wrote it into ./org/name from hf:org/name may run again
-    return not _holds_files(name) or has_manifest(name)
+    return name.count("/") <= 1 and (not _holds_files(name) or has_manifest(name))
 
 
 def glob_files(spec: str) -> list[str]:
