@@ -94,6 +94,7 @@ class ExportOperator(StepLineageMixin, BaseOperator):
         hf_dir = join(spec.output_path, HF_DIR)
         args = ["--config", join(train_out, TRAINER_CONFIG), "--step", str(ckpt[0])]
         args += ["--tokenizer", spec.config["tokenizer"], "--out", hf_dir]
+        args += ["--dtype", spec.config["dtype"]]
         self._jobset = one_slice_runner(self, spec, params)
         status = run_on_one_slice(
             self._jobset, spec, params, kind="export", module="trainer.export", args=args
@@ -104,7 +105,12 @@ class ExportOperator(StepLineageMixin, BaseOperator):
                 f"export JobSet {status.terminal_state} ({status.reason}); "
                 f"exit codes {status.exit_codes}"
             )
-        return {"checkpoint": ckpt[1], "step": ckpt[0], "hf_dir": hf_dir}
+        return {
+            "checkpoint": ckpt[1],
+            "step": ckpt[0],
+            "hf_dir": hf_dir,
+            "dtype": provenance.get("dtype"),
+        }
 
     @staticmethod
     def _outputs(spec: StepSpec, result: StepResult) -> list[ArtifactRef]:
@@ -118,7 +124,13 @@ class ExportOperator(StepLineageMixin, BaseOperator):
                 r["hf_dir"],
                 ArtifactType.HF_EXPORT,
                 role="hf_export",
-                fields={"properties": {"checkpoint": r.get("checkpoint"), "step": r.get("step")}},
+                fields={
+                    "properties": {
+                        "checkpoint": r.get("checkpoint"),
+                        "step": r.get("step"),
+                        "dtype": r.get("dtype"),
+                    }
+                },
             )
         ]
 

@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_SHARD_BYTES,
         metavar="SIZE",
         help="the most weight bytes per safetensors file, e.g. 5GB (the default, as "
-        "transformers'), 500MB, 2GiB: a larger model is written as shards with an index",
+        "huggingface_hub's), 500MB, 2GiB: a larger model is written as shards with an index",
     )
     args = parser.parse_args(argv)
     try:

@@ -45,6 +45,10 @@ ACCELERATORS = ("cpu", "v4", "v5e", "v5p", "v6e", "tpu7x")
 BACKENDS = ("local", "gke")
 RUNNERS = ("DirectRunner", "DataflowRunner")
 
+# What `python -m trainer.export --dtype` writes (trainer/export.py WEIGHT_DTYPES; a unit test
+# checks they agree: importing it here would pull numpy into every DAG parse).
+EXPORT_DTYPES = ("float32", "bfloat16")
+
 # The benchmark tasks a run evaluates by default: the zero-shot suite (MMLU's 5-shot variant
 # is left to those who ask for it: five worked examples in every prompt).
 DEFAULT_EVAL_TASKS = (
@@ -378,6 +382,15 @@ def _form(platform: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             title="Examples per benchmark task",
             description="The first N examples of each task's set (MMLU: round-robin over its "
             "subjects).",
+        ),
+        "export_dtype": field(
+            "float32",
+            type="string",
+            enum=list(EXPORT_DTYPES),
+            title="Export weights' type",
+            description="The Hugging Face export's safetensors: float32 (the checkpoint's "
+            "own, exact) or bfloat16 (half the folder, every weight rounded once; "
+            "docs/export.md).",
         ),
         "model_name": field(
             "slipway-demo",

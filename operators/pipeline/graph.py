@@ -466,7 +466,11 @@ def build_graph(params: Mapping[str, Any], content_ids: Mapping[str, str] | None
         "export",
         with_output_version(
             "export",
-            {"train": output_of(train), "tokenizer": stage_output(tok.step, "tokenizer.model")},
+            {
+                "train": output_of(train),
+                "tokenizer": stage_output(tok.step, "tokenizer.model"),
+                "dtype": params.get("export_dtype") or "float32",
+            },
         ),
         unversioned={"backend": params["backend"], "image": params["image"]},
     )

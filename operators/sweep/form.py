@@ -36,11 +36,12 @@ REPLACED_BY_RECIPE = (
     "seed",
     "fail_at_step",
 )
-# The pipeline's own evaluation and promotion: a sweep's cells are scored on its metric alone
-# and promote nothing (the shared tasks still see the pipeline's defaults: ``with_defaults``).
+# The pipeline's own evaluation, export and promotion: a sweep's cells are scored on its metric
+# alone, export nothing and promote nothing (the shared tasks still see the pipeline's defaults: ``with_defaults``).
 PIPELINE_ONLY = (
     "eval_tasks",
     "eval_task_limit",
+    "export_dtype",
     "model_name",
     "gate_max_bits_per_byte",
     "gate_min_accuracy",

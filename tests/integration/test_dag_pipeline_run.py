@@ -200,6 +200,9 @@ def _first_run_completes(env):
     # The export: a Hugging Face folder of the checkpoint, named in the promotion.
     (hf,) = [o.artifact for o in nodes["export"].outputs]
     assert hf.type == "hf_export" and (Path(hf.uri) / "model.safetensors").is_file()
+    # in the form's weight type (tiny_conf asks for bfloat16), as transformers reads it
+    hf_config = json.loads((Path(hf.uri) / "config.json").read_text())
+    assert hf_config["torch_dtype"] == "bfloat16" == hf.properties["dtype"]
     assert promoted.properties["export"] == hf.uri
     # Lineage links the export through the checkpoint and the tokenizer that train and
     # train_tokenizer recorded, on through training, down to the corpora's raw files.

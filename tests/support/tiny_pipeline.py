@@ -190,6 +190,7 @@ def tiny_conf(data_dir: Path, **overrides: object) -> dict:
         "eval_max_tokens": 512,
         "eval_tasks": TINY_EVAL_TASKS,
         "eval_task_limit": 10,
+        "export_dtype": "bfloat16",  # the form's value reaches the export (float32: unit tests)
         "stage_configs": {
             "ingest": {},
             "quality": {"sources": {"brown": {"enabled": False}, "fortunes": {"enabled": False}}},

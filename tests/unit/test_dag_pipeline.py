@@ -149,6 +149,8 @@ def test_default_params_are_valid(dag):
         ({"eval_tasks": ["squad"]}, "eval_tasks"),
         ({"eval_tasks": ["piqa", "piqa"]}, "eval_tasks"),
         ({"eval_task_limit": 0}, "eval_task_limit"),
+        ({"export_dtype": "float16"}, "export_dtype"),
+        ({"export_dtype": "bfloat16 --out /tmp"}, "export_dtype"),
     ],
 )
 def test_bad_values_are_refused_by_airflow_param_validation(dag, conf, field):
@@ -225,6 +227,15 @@ def test_eval_task_names_are_the_trainers():
     assert fields["eval_tasks"]["items"]["enum"] == list(TASK_NAMES)
     assert set(fields["gate_min_accuracy"]["properties"]) == set(TASK_NAMES)
     assert set(DEFAULT_EVAL_TASKS) <= set(TASK_NAMES)
+
+
+def test_export_dtypes_are_the_exports():
+    from operators.pipeline.form import EXPORT_DTYPES, form_fields
+    from trainer.export import WEIGHT_DTYPES
+
+    assert sorted(EXPORT_DTYPES) == sorted(WEIGHT_DTYPES)
+    assert form_fields()["export_dtype"]["enum"] == list(EXPORT_DTYPES)
+    assert form_fields()["export_dtype"]["default"] == "float32"  # exact, as trained
 
 
 def test_gke_run_form_is_accepted(dag, monkeypatch):

@@ -61,6 +61,13 @@ def test_versions_are_a_function_of_what_is_computed(params):
     assert lr.stages["tokenize"][0].step.key == a.stages["tokenize"][0].step.key
     assert lr.train.key != a.train.key and lr.evaluate.key != a.evaluate.key
 
+    # The export's weight type re-versions the export alone: the same model, other bytes.
+    f32, bf16 = (build_graph({**params, "export_dtype": t}) for t in ("float32", "bfloat16"))
+    assert bf16.export.key != f32.export.key and bf16.export.config["dtype"] == "bfloat16"
+    assert [s.key for s in bf16.all_steps() if s.name != "export"] == [
+        s.key for s in f32.all_steps() if s.name != "export"
+    ]
+
 
 def test_raw_inputs_are_versioned_by_content(params, tmp_path):
     from operators.pipeline.graph import build_graph
