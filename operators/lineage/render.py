@@ -265,7 +265,9 @@ def render_run(
                 else:
                     evals.append((label, c))
             if a.type == "hf_export":
-                outputs.append((f"{name} (Hugging Face)", a.uri))
+                dtype = (a.properties or {}).get("dtype")
+                label = f"Hugging Face, {dtype}" if dtype else "Hugging Face"
+                outputs.append((f"{name} ({label})", a.uri))
         if not counted:  # a step whose outputs carry no record counts: its state alone
             lines.append(f"{name:<32}{ex.state}")
     if tokens:

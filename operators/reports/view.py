@@ -100,7 +100,7 @@ class RunView:
     benchmarks: tuple[tuple[str, Mapping[str, Any]], ...]  # (task, metrics)
     samples: Mapping[str, Any]
     gate: Mapping[str, Any] | None
-    exports: tuple[str, ...]
+    exports: tuple[tuple[str, str | None], ...]  # (folder, the weights' dtype)
     failures: tuple[StepRow, ...]
     # the run summary's "resume" (None before it is written, and once a rerun has started)
     resume: Mapping[str, Any] | None
@@ -275,7 +275,7 @@ def run_view(graph: RunGraph) -> RunView:
                 else:
                     evaluations.append((label, dict(a.counts or {})))
             elif a.type == ArtifactType.HF_EXPORT:
-                exports.append(a.uri)
+                exports.append((a.uri, (a.properties or {}).get("dtype")))
             elif a.type == REPORT_ARTIFACT:
                 report = a.uri
         found = _training(node)

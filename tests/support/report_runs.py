@@ -142,6 +142,17 @@ def record_run(
     )
     store.finish_execution(ex, ended_at=t + 7 * tick)
 
+    ex = _step(store, "export", run_id, t + 6 * tick, "66666666")
+    store.record_input(ex, checkpoint, "checkpoint", role="trained_run")
+    store.record_output(
+        ex,
+        f"{root}/steps/export-66666666/output/hf",
+        "hf_export",
+        role="hf_export",
+        properties={"checkpoint": checkpoint, "step": TRAIN_STEPS, "dtype": "bfloat16"},
+    )
+    store.finish_execution(ex, ended_at=t + 7 * tick)
+
     ex = _step(store, "gate", run_id, t + 7 * tick, None)
     # the promoted model, as operators/promotion.py records it: a version of the model's URI
     # of its own per gate execution, with the run that made it

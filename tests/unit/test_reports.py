@@ -106,6 +106,10 @@ def test_the_run_page_shows_what_lineage_recorded(store):
     assert "trace it to its raw inputs" in text
     raw = [cells for _, cells in html.rows if cells and cells[0] == "dataset"]
     assert any("brown.tar.gz" in c[1] and c[2] == "ab" * 32 for c in raw), raw
+    # the export, with the weights' type its step recorded
+    (export,) = [o.artifact for n in graph.steps if n.execution.name == "export" for o in n.outputs]
+    shown = f"{export.uri} (Hugging Face folder, {export.properties['dtype']} weights)"
+    assert shown in _words(html)
 
 
 def test_the_run_page_and_the_runs_list_show_the_settings_a_run_was_triggered_with(store):
@@ -158,6 +162,15 @@ def test_a_run_without_recorded_settings_shows_none(store):
     assert "none matches the filter" in none
     many = {"params": {f"f{i}": i for i in range(9)}, "changed": [f"f{i}" for i in range(9)]}
     assert pages.changed_settings(many, most=6) == "f0=0, f1=1, f2=2, f3=3, f4=4, f5=5 and 3 more"
+
+
+def test_the_printed_summary_names_the_exports_weight_type(store):
+    from operators.lineage.render import render_run
+
+    graph = store.run_graph("good")
+    (export,) = [o.artifact for n in graph.steps if n.execution.name == "export" for o in n.outputs]
+    (line,) = [line for line in render_run(graph).splitlines() if export.uri in line]
+    assert line.split() == ["export", "(Hugging", "Face,", "bfloat16)", export.uri]
 
 
 def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(store):
