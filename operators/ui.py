@@ -471,7 +471,9 @@ def trace(
 ) -> Any:
     """``version``: that version ("" is an artifact recorded without one); none: the latest."""
     if not uri:
-        raise HTTPException(400, "Which artifact? Give its URI: /trace?uri=<uri>[&version=<v>]")
+        raise HTTPException(
+            400, "Which artifact? Give its URI: /slipway/trace?uri=<uri>[&version=<v>]"
+        )
     try:
         root = store().trace(uri, version)
     except NotFound as exc:

@@ -129,11 +129,26 @@ class RunView:
         state it gave them (``upstream_failed``)."""
         ran = {row.name for row in self.steps} | {row.task_id for row in self.steps if row.task_id}
         rerun = [step_name(key) for key in (self.resume or {}).get("rerun") or ()]
-        found = {name: "runs on a clear-and-rerun" for name in rerun if name not in ran}
+        # A run whose values validate refused runs nothing on a clear either (it keeps them):
+        # the page says to trigger a new run, and no row may say otherwise.
+        later = "" if self.refused else "runs on a clear-and-rerun"
+        found = {name: later or "not run" for name in rerun if name not in ran}
         for task, state in self.task_states.items():
             if task not in ran and task not in found and task != "record" and state in _NOT_RUN:
-                found[task] = f"Airflow: {state or 'no state'}; runs on a clear-and-rerun"
+                found[task] = "; ".join(filter(None, [f"Airflow: {state or 'no state'}", later]))
         return tuple(found.items())
+
+    @property
+    def refused(self) -> bool:
+        """The run's values were refused (its ``validate`` failed): nothing after it ran."""
+        first = self.first_failure
+        return first is not None and first.get("step") == "validate"
+
+    @property
+    def scheduled(self) -> bool:
+        """A run the schedule (or a backfill of it) made, by the run ids Airflow gives those:
+        only such runs does a backfill with ``reprocess_behavior=failed`` reprocess."""
+        return self.run_id.startswith(("scheduled__", "backfill__"))
 
     @property
     def metrics_dir(self) -> str | None:

@@ -182,6 +182,8 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert "3 steps are cache hits (ingest, quality, tokenize)" in text
     assert "2 run again (train, evaluate)" in text
     assert "Training resumes from its checkpoint at step 10" in text
+    # a backfill reprocesses scheduled runs only: this one, triggered by hand, is not told to
+    assert "backfill" not in text
     rows = html.step_rows()
     assert rows["train"][1].startswith("FAILED")
     # the error spans the table in a row of its own, under the step's
@@ -219,14 +221,28 @@ def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
         "state": "FAILED",
         "failed": [{"step": "validate", "error": error}],
         "resume": {"skipped_on_rerun": [], "rerun": ["train-44444444"]},
+        "task_states": {"validate": "failed", "gate": "upstream_failed"},
     }
     ex = store.start_execution("record", run_id="typo", pipeline="slipway_pipeline")
     store.record_output(ex, "/runs/typo/summary.json", "run_summary", properties=summary)
     store.finish_execution(ex)
-    text = " ".join(" ".join(parse(pages.run_page(store, "typo", "/slipway")).text).split())
+    html = parse(pages.run_page(store, "typo", "/slipway"))
+    text = " ".join(" ".join(html.text).split())
     assert "Failed at validate" in text and "step: not a field" in text
     assert "trigger a new run with corrected values" in text
     assert "Clear the failed task" not in text
+    # and no row below contradicts it
+    rows = html.step_rows()
+    assert rows["train"] == ["train", "not run", "not run"]
+    assert rows["gate"] == ["gate", "not run", "Airflow: upstream_failed"]
+    assert "clear-and-rerun" not in text
+
+
+def test_a_failed_scheduled_run_may_also_be_backfilled(store, tmp_path):
+    run_id = "scheduled__2026-12-06T00:00:00+00:00"
+    record_run(store, run_id, tmp_path, fail_train=True)
+    text = " ".join(" ".join(parse(pages.run_page(store, run_id, "/slipway")).text).split())
+    assert "Clear the failed task and rerun (or backfill with reprocess_behavior=failed" in text
 
 
 def test_a_rerun_after_the_run_summary_shows_the_rerun_not_the_failure_it_summed_up(store):
@@ -938,7 +954,7 @@ def test_a_browser_gets_error_pages_and_an_api_client_text(client):
     assert "Not found" in page.text and "no run 'nothing'" in " ".join(page.text)
     assert 'href="/slipway/"' in missing.text
     bare = client.get("/trace", headers=html)
-    assert bare.status_code == 400 and "Give its URI: /trace?uri=" in bare.text
+    assert bare.status_code == 400 and "Give its URI: /slipway/trace?uri=" in bare.text
     text = client.get("/runs/nothing", headers={"accept": "application/json"})
     assert text.headers["content-type"].startswith("text/plain") and text.text == "no run 'nothing'"
 
