@@ -134,7 +134,14 @@ def record_run(
         f"{evals}/benchmark-piqa.json",
         "eval_result",
         role="benchmark-piqa",
-        counts={"n": 10, "acc": 0.5, "acc_stderr": 0.16, "acc_norm": 0.6, "chance": 0.5},
+        counts={
+            "n": 10,
+            "acc": 0.5,
+            "acc_stderr": 0.16,
+            "acc_norm": 0.6,
+            "chance": 0.5,
+            "truncated": 3,
+        },
     )
     samples = {"decoding": "greedy", "completions": [{"prompt": "The <b>", "completion": " end"}]}
     store.record_output(

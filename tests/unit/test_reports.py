@@ -101,6 +101,11 @@ def test_the_run_page_shows_what_lineage_recorded(store):
     assert "Promoted" in text and "slipway://models/demo" in text
     bench = [cells for a, cells in html.rows if a.get("data-task") == "piqa"]
     assert bench and "~chance" in bench[0][-1]
+    # the contexts cut to fit seq_len, as the printed table says them
+    piqa = next(
+        o.artifact.counts for n in graph.steps for o in n.outputs if o.role == "benchmark-piqa"
+    )
+    assert bench[0][-1] == f"~chance · {piqa['truncated']} of {piqa['n']} contexts cut to fit"
     # Samples are model output: shown as text, never as markup.
     assert "The &lt;b&gt;" in body and "The <b>" not in body
     assert "trace it to its raw inputs" in text
