@@ -177,15 +177,18 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             return {"state": "NOT_RUN", "task_state": task_states.get("gate"), "promoted": False}
         return found
 
-    def _write_report(self, store: Any, run_id: str, execution: int) -> str | None:
+    def _write_report(
+        self, store: Any, run_id: str, execution: int, started_at: Any = None
+    ) -> str | None:
         """The run's self-contained ``report.html`` (operators/reports/static.py), recorded as
-        an output of ``record``. A report that cannot be written is logged, never fatal: the
-        summary and lineage above are the record of the run."""
+        an output of ``record``; ``started_at``: the DAG run's start as Airflow has it (a
+        cleared run's rerun's), as the live run page shows it. A report that cannot be written
+        is logged, never fatal: the summary and lineage above are the record of the run."""
         from operators.reports.static import write_run_report
         from operators.reports.view import REPORT_ARTIFACT
 
         try:
-            path = write_run_report(store, run_id)
+            path = write_run_report(store, run_id, started_at=started_at)
         except Exception:
             self.log.exception("the run report was not written")
             return None
@@ -257,7 +260,8 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             path = write_run_file(run_id, "summary.json", summary)
             execution = store.start_execution("record", run_id=run_id, pipeline=self.dag_id)
             store.record_output(execution, path, "run_summary", properties=summary)
-            summary["report_path"] = self._write_report(store, run_id, execution)
+            started_at = getattr(context.get("dag_run"), "start_date", None)
+            summary["report_path"] = self._write_report(store, run_id, execution, started_at)
             store.finish_execution(execution, properties={"state": summary["state"]})
             summary["summary_path"] = path
             return summary

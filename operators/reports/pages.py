@@ -292,17 +292,21 @@ def run_page(
     *,
     loss_src: str | None = None,
     dag_run: DagRun | None = None,
+    started_at: datetime | None = None,
     may_read_run: Callable[[str], bool] = lambda run_id: True,
 ) -> str:
     """The run page (and the static report, with ``base=None``): ``loss_src`` is the loss
     plot's URL; None draws it here, inline as a data URI. ``dag_run``: Airflow's record of
     the DAG run, whose state and times are shown instead of lineage's
     (:func:`with_dag_runs`); while Airflow says it is going, the page reloads itself.
-    ``may_read_run``: whether the reader may see another run (the one whose promotion
+    ``started_at``: Airflow's start of the DAG run when its record is not at hand (the static
+    report, written by the run's last task). ``may_read_run``: whether the reader may see another run (the one whose promotion
     replaced this run's, named only if so). ``NotFound`` for an unknown run."""
     view = run_view(store.run_graph(run_id))
     if dag_run is not None:
         view = _as_airflow_has_it(view, dag_run)
+    elif started_at is not None:
+        view = dataclasses.replace(view, started_at=started_at)
     unfinished = view.training is None and view.train_output is not None
     curve = loss_curve(view) if unfinished or loss_src is None else []  # read once
     if loss_src is None:

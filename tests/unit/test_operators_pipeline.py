@@ -6,7 +6,9 @@ import gzip
 import json
 import re
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -336,7 +338,13 @@ def test_record_summarises_a_failed_run(home, params, monkeypatch):
     with pytest.raises(RuntimeError):
         op.execute(_context(params, "run-f"))
     record = RecordRunOperator()
-    summary = record.summarize(_context(params, "run-f"))
+    # The DAG run as Airflow has it, started after lineage's first record (a cleared run's
+    # rerun): the static report shows Airflow's start, as the live run page does.
+    time.sleep(1.1)
+    rerun = SimpleNamespace(start_date=datetime.now(UTC).replace(microsecond=0))
+    summary = record.summarize({**_context(params, "run-f"), "dag_run": rerun})
+    report = Path(summary["report_path"]).read_text()
+    assert f"started {rerun.start_date:%Y-%m-%d %H:%M:%S} UTC" in report
     assert summary["state"] == "FAILED"
     assert summary["failed"][0]["step"] == "ingest"
     assert "exited with 2" in summary["failed"][0]["error"]
