@@ -300,8 +300,9 @@ def run_page(
     the DAG run, whose state and times are shown instead of lineage's
     (:func:`with_dag_runs`); while Airflow says it is going, the page reloads itself.
     ``started_at``: Airflow's start of the DAG run when its record is not at hand (the static
-    report, written by the run's last task). ``may_read_run``: whether the reader may see another run (the one whose promotion
-    replaced this run's, named only if so). ``NotFound`` for an unknown run."""
+    report, written by the run's last task). ``may_read_run``: whether the reader may see
+    another run (the one whose promotion replaced this run's, named only if so). ``NotFound``
+    for an unknown run."""
     view = run_view(store.run_graph(run_id))
     if dag_run is not None:
         view = _as_airflow_has_it(view, dag_run)
