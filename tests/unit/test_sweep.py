@@ -438,6 +438,8 @@ def test_the_report_plots_the_night_and_adds_the_outcome_at_the_check(
     assert cli.main(["sweep", "show", "night-1"]) == 0
     shown = capsys.readouterr().out
     assert f"relative error {check['relative_error']:+.2%}" in shown
+    m = body["predicted"]["metric"]  # the forecast to the estimate's precision, not repr's
+    assert f"loss {m['estimate']:.4f} [{m['low']:.4f}, {m['high']:.4f}] (" in shown, shown
     assert f"report (plots and report.json): {folder / 'report'}" in shown
     assert "time (s)" in shown and "estimate" in shown
 
