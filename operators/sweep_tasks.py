@@ -218,6 +218,7 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
             preregister,
             registration_key,
         )
+        from operators.sweep.report import interval_text
 
         self.require_run_owned(context)  # all_done: runs even after validate refused the run
         params = self.run_params(context)
@@ -267,13 +268,12 @@ class FitSweepOperator(StepLineageMixin, BaseOperator):
             forecasts.append({"cell": cell, "path": path, "sha256": digest, "new": created})
             m = prediction["metric"]
             self.log.info(
-                "forecast at %.3g FLOPs (%s fit): %s %.4f [%s, %s], pre-registered %s%s",
+                "forecast at %.3g FLOPs (%s fit): %s %.4f %s, pre-registered %s%s",
                 cell["budget"],
                 prediction["fit"],
                 params["metric"],
                 m["estimate"],
-                m["low"],
-                m["high"],
+                interval_text(m),
                 path,
                 "".join(f"; warning: {w}" for w in prediction["warnings"]),
             )

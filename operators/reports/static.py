@@ -27,7 +27,8 @@ def write_run_report(
     """Render the run's report from lineage and write it (local or object store); its path.
 
     ``started_at``: when Airflow started the DAG run, shown instead of lineage's first start,
-    as the live page shows it: a cleared run's is its rerun's, and so is its duration."""
+    as the live page shows it: a cleared run's is its rerun's (the duration runs from it to
+    the start of the task writing the report)."""
     from operators.settings import write_run_text
 
     page = run_page(store, run_id, base=None, started_at=started_at)

@@ -66,7 +66,7 @@ def _time(cell: Mapping[str, Any]) -> str:
     return " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in (actual, estimate))
 
 
-def _interval(metric: Mapping[str, Any]) -> str:
+def interval_text(metric: Mapping[str, Any]) -> str:
     """A forecast's interval to the estimate's precision, or why it has none."""
     low, high = metric.get("low"), metric.get("high")
     return "(no interval)" if low is None or high is None else f"[{low:.4f}, {high:.4f}]"
@@ -94,7 +94,7 @@ def render_night(run_id: str, record: Mapping[str, Any] | None, checks: Sequence
         m = registered["predicted"]["metric"]
         lines.append(
             f"  C={registered['budget']:.3g}: {registered['metric']} {m['estimate']:.4f} "
-            f"{_interval(m)} ({registered['predicted']['fit']} fit), "
+            f"{interval_text(m)} ({registered['predicted']['fit']} fit), "
             f"pre-registered {forecast['sha256'][:12]} by {registered.get('run_id')}"
         )
         if registered.get("post_hoc"):

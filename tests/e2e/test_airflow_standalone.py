@@ -108,7 +108,7 @@ def test_trigger_fail_clear_and_resume_through_the_rest_api(airflow):
     page = af.client.get("/slipway/runs/e2e_fault")
     assert page.status_code == 200, page.text
     listed = af.client.get("/slipway/", params={"q": "e2e_fault"}).text
-    assert f"{loss:.4f} <span" in listed and f">at step {at}</span>" in listed, listed
+    assert f"{loss:.4f} <br><span" in listed and f">at step {at}</span>" in listed, listed
     text = " ".join(page.text.split())
     assert 'Failed at <span id="failed-step">train</span>' in text, text
     assert "fail_at_step=5" in text

@@ -338,10 +338,9 @@ def test_record_summarises_a_failed_run(home, params, monkeypatch):
     with pytest.raises(RuntimeError):
         op.execute(_context(params, "run-f"))
     record = RecordRunOperator()
-    # The DAG run as Airflow has it, started after lineage's first record (a cleared run's
-    # rerun): the static report shows Airflow's start, as the live run page does.
-    time.sleep(1.1)
-    rerun = SimpleNamespace(start_date=datetime.now(UTC).replace(microsecond=0))
+    # The DAG run as Airflow has it (a cleared run's: its rerun's start), other than lineage's
+    # first record: the static report shows Airflow's, as the live run page does.
+    rerun = SimpleNamespace(start_date=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
     summary = record.summarize({**_context(params, "run-f"), "dag_run": rerun})
     report = Path(summary["report_path"]).read_text()
     assert f"started {rerun.start_date:%Y-%m-%d %H:%M:%S} UTC" in report
