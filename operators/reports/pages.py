@@ -60,6 +60,7 @@ def _env() -> Any:
     )
     env.filters["step_name"] = step_name
     env.filters["setting"] = fmt_setting
+    env.filters["breakable"] = breakable
     env.tests["below_chance"] = below_chance
     env.globals.update(
         fmt_num=fmt_num,
@@ -75,6 +76,15 @@ def _env() -> Any:
         queued_unrecorded=queued_unrecorded,
     )
     return env
+
+
+def breakable(text: Any) -> Markup:
+    """``text`` escaped, with a line-break opportunity after each ``/``, ``_`` and ``:``: step
+    names and drop reasons wrap between their parts in a narrow column, never mid-word."""
+    escaped = str(Markup.escape(text))
+    for mark in "/_:":
+        escaped = escaped.replace(mark, mark + "<wbr>")
+    return Markup(escaped)
 
 
 def fmt_num(value: Any, digits: int = 4) -> str:
