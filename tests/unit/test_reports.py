@@ -1185,3 +1185,14 @@ def test_the_sweeps_page_lists_a_kept_pre_registration_once(client, store, monke
     rows = [cells for _, cells in page.rows if cells and cells[-1].startswith("ab" * 6)]
     assert len(rows) == 1
     assert rows[0][0] == "night-1" and "3.1000" in rows[0]
+
+
+def test_breakable_text_is_escaped_and_wraps_only_between_parts(store):
+    """Step names and drop reasons are data: escaped first, then given line-break chances."""
+    shown = pages.breakable("tokens/train/<b>x</b>_y:z")
+    assert str(shown) == "tokens/<wbr>train/<wbr>&lt;b&gt;x&lt;/<wbr>b&gt;_<wbr>y:<wbr>z"
+    ex = store.start_execution("tokens/train/a&b", run_id="wbr", pipeline="slipway_pipeline")
+    store.finish_execution(ex)
+    body = pages.run_page(store, "wbr", "/slipway", loss_src="x.png")
+    assert "tokens/<wbr>train/<wbr>a&amp;b" in body
+    assert parse(body).step_rows()["tokens/train/a&b"][0] == "tokens/train/a&b"  # as read
