@@ -430,7 +430,22 @@ def trace_page(
         version_count=len(versions),
         other_versions=others[:_OTHER_VERSIONS_SHOWN],
         more_versions=max(0, len(others) - _OTHER_VERSIONS_SHOWN),
+        facts=recorded_facts(root.artifact),
     )
+
+
+def recorded_facts(artifact: ArtifactRecord) -> list[tuple[str, Any]]:
+    """What its step recorded with the artifact, the plain values only (a checkpoint's steps
+    and losses, an export's dtype and step, a promotion's run and checkpoint): counts first,
+    then properties. Nested values (drop reasons, a promotion's metrics) have pages of their
+    own: the run page."""
+    plain = (str, int, float, bool)
+    return [
+        (key, value)
+        for fields in (artifact.counts or {}, artifact.properties or {})
+        for key, value in fields.items()
+        if isinstance(value, plain) and value != ""
+    ]
 
 
 def cut_at_earlier_promotions(root: TraceNode) -> TraceNode:

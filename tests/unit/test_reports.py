@@ -604,6 +604,22 @@ def test_the_trace_reaches_the_raw_corpus_with_its_hash(store):
         store.trace("file:///nothing", None)
 
 
+def test_a_trace_says_what_was_recorded_with_the_artifact(store):
+    """The traced artifact's own plain facts: an export's dtype, a checkpoint's losses."""
+    graph = store.run_graph("good")
+    traced = []
+    for node in graph.steps:
+        for out in node.outputs:
+            if out.artifact.type not in ("hf_export", "checkpoint"):
+                continue
+            a = out.artifact
+            text = _words(parse(pages.trace_page(store.trace(a.uri, a.version), "/s")))
+            shown = {**(a.counts or {}), **(a.properties or {})}
+            assert shown and all(f"{k}={v}" in text for k, v in shown.items()), text
+            traced.append(a.type)
+    assert sorted(traced) == ["checkpoint", "hf_export"]  # the export's dtype among them
+
+
 def test_a_promotions_trace_links_the_model_it_replaced_instead_of_tracing_it_again(store):
     """The gate reads the model it may replace: each promotion's trace would hold every
     earlier promotion's whole chain. The page draws the earlier model as one linked node,
