@@ -37,7 +37,8 @@ REPLACED_BY_RECIPE = (
     "fail_at_step",
 )
 # The pipeline's own evaluation, export and promotion: a sweep's cells are scored on its metric
-# alone, export nothing and promote nothing (the shared tasks still see the pipeline's defaults: ``with_defaults``).
+# alone, export nothing and promote nothing (the shared tasks still see the pipeline's
+# defaults: ``with_defaults``).
 PIPELINE_ONLY = (
     "eval_tasks",
     "eval_task_limit",

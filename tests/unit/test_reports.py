@@ -60,6 +60,11 @@ def _words(html: Cells) -> str:
     return re.sub(r" ([.,])", r"\1", " ".join(" ".join(html.text).split()))
 
 
+def _outputs_of(graph, step: str) -> list:
+    """The artifacts the run's ``step`` recorded as its outputs."""
+    return [o.artifact for n in graph.steps if n.execution.name == step for o in n.outputs]
+
+
 def parse(body: str) -> Cells:
     parser = Cells()
     parser.feed(body)
@@ -112,7 +117,7 @@ def test_the_run_page_shows_what_lineage_recorded(store):
     raw = [cells for _, cells in html.rows if cells and cells[0] == "dataset"]
     assert any("brown.tar.gz" in c[1] and c[2] == "ab" * 32 for c in raw), raw
     # the export, with the weights' type its step recorded
-    (export,) = [o.artifact for n in graph.steps if n.execution.name == "export" for o in n.outputs]
+    (export,) = _outputs_of(graph, "export")
     shown = f"{export.uri} (Hugging Face folder, {export.properties['dtype']} weights)"
     assert shown in _words(html)
 
@@ -173,7 +178,7 @@ def test_the_printed_summary_names_the_exports_weight_type(store):
     from operators.lineage.render import render_run
 
     graph = store.run_graph("good")
-    (export,) = [o.artifact for n in graph.steps if n.execution.name == "export" for o in n.outputs]
+    (export,) = _outputs_of(graph, "export")
     (line,) = [line for line in render_run(graph).splitlines() if export.uri in line]
     assert line.split() == ["export", "(Hugging", "Face,", "bfloat16)", export.uri]
 
