@@ -61,7 +61,8 @@ STAGE = "exact_dedup"
 CHARS = "chars"
 ERRORS = "errors"
 GROUPS = "groups"  # a text hash shared by several documents
-SHARED = "shared"  # a paragraph hash shared by several documents
+SHARED = "shared"  # paragraph hashes shared by several documents (summed)
+SPAN_DOCS = "span_docs"  # documents with spans (summed; the shard path's count per shard)
 FAILED = "failed"  # a document whose text hash failed (the shard path's later passes skip it)
 
 Span = tuple[int, int]
@@ -298,7 +299,12 @@ def dedup_paragraphs(
     totals = _paragraph_totals(
         config,
         shared=spans[SHARED],
-        span_keys=spans["spans"] | "SpanDocKeys" >> beam.Keys(),
+        span_docs=(
+            spans["spans"]
+            | "SpanDocKeys" >> beam.Keys()
+            | "DistinctDocKeys" >> beam.Distinct()
+            | "OneEach" >> beam.Map(lambda _: 1)
+        ),
         errors=occurrences[ERRORS],
         chars=attached[CHARS],
     )
@@ -309,21 +315,21 @@ def _paragraph_totals(
     config: ExactDedupConfig,
     *,
     shared: beam.PCollection,
-    span_keys: beam.PCollection,
+    span_docs: beam.PCollection,
     errors: beam.PCollection,
     chars: beam.PCollection,
 ) -> list[Any]:
     """Manifest totals of the paragraph level (for ``extra_totals``): repeated paragraphs,
     documents with spans, documents whose paragraphs could not be scanned, and the characters
-    of the spans, removed or only marked."""
+    of the spans, removed or only marked. All but ``errors`` are sums of partial counts."""
     chars_name = (
         "duplicate_chars_removed"
         if config.remove_duplicate_paragraphs
         else "duplicate_chars_marked"
     )
     return [
-        ("duplicate_paragraphs", "count", shared),
-        ("docs_with_duplicate_spans", "count", span_keys | "DistinctDocKeys" >> beam.Distinct()),
+        ("duplicate_paragraphs", "sum", shared),
+        ("docs_with_duplicate_spans", "sum", span_docs),
         ("paragraph_scan_errors", "count", errors),
         (chars_name, "sum", chars),
     ]
@@ -488,26 +494,37 @@ class ParagraphShard(beam.DoFn):
 
 
 def partition_spans(item: tuple[int, Iterable[list[Any]]], num_shards: int) -> Iterator[Any]:
-    """One paragraph partition -> (shard, (doc key, span)) for every occurrence of a repeated
-    paragraph outside its owner (the smallest document key), as ``repeated_spans`` does for one
-    paragraph; a tagged ``SHARED`` count per repeated paragraph."""
+    """One paragraph partition -> (shard, [(doc key, span), ...]) per output shard: every
+    occurrence of a repeated paragraph outside its owner (the smallest document key), as
+    ``repeated_spans`` does for one paragraph; a tagged ``SHARED`` count of the partition's
+    repeated paragraphs.
+
+    One batch per shard, not one element per span: a line-level run finds ~150k spans on the
+    bench corpus, and every element costs each transform it passes (the join, the totals).
+    """
     _, parts = item
     by_digest: dict[str, list[tuple[DocKey, int, int]]] = {}
     for part in parts:
         for digest, key, start, end in part:
             by_digest.setdefault(digest, []).append((key, start, end))
+    by_shard: dict[int, list[tuple[DocKey, Span]]] = {}
+    shared = 0
     for digest_occurrences in by_digest.items():
         for out in repeated_spans(digest_occurrences):
             if isinstance(out, pvalue.TaggedOutput):
-                yield out
+                shared += out.value
             else:
                 key, span = out
-                yield (stable_shard(key[0], num_shards), (key, span))
+                by_shard.setdefault(stable_shard(key[0], num_shards), []).append((key, span))
+    if shared:
+        yield pvalue.TaggedOutput(SHARED, shared)
+    yield from sorted(by_shard.items())
 
 
 class AttachShard(beam.DoFn):
     """(index, {"paths", "decisions", "spans"}) -> the output shard: each document's decision,
-    then its repeated spans marked or removed (``_attach``); letters and ``CHARS`` tagged."""
+    then its repeated spans marked or removed (``_attach``); letters tagged, and the shard's
+    ``CHARS`` and ``SPAN_DOCS`` as one sum each."""
 
     def __init__(self, config: ExactDedupConfig, output: str, num_shards: int) -> None:
         self.config = config
@@ -519,12 +536,15 @@ class AttachShard(beam.DoFn):
         (paths,) = grouped["paths"]
         verdicts = _DocumentVerdicts(grouped["decisions"])
         spans: dict[DocKey, list[Span]] = {}
-        for key, span in grouped["spans"]:
-            spans.setdefault(tuple(key), []).append(span)
+        for batch in grouped["spans"]:
+            for key, span in batch:
+                spans.setdefault(tuple(key), []).append(span)
         documents = ShardDocuments(STAGE, index, paths, self.num_shards)
         yield from write_shard(
             self.output, index, self.num_shards, self._attach(documents, verdicts, spans)
         )
+        if spans:
+            yield pvalue.TaggedOutput(SPAN_DOCS, len(spans))
 
     def _attach(
         self,
@@ -532,6 +552,7 @@ class AttachShard(beam.DoFn):
         verdicts: _DocumentVerdicts,
         spans: dict[DocKey, list[Span]],
     ) -> Iterator[Any]:
+        chars = 0
         for doc in documents:
             verdict = verdicts.verdict(doc)
             if verdict == SKIP:
@@ -540,7 +561,13 @@ class AttachShard(beam.DoFn):
                 yield pvalue.TaggedOutput(DEAD, verdict)
                 continue
             mine = spans.get(document_key(doc), []) if spans else []
-            yield from attach_spans((doc["id"], {"docs": [doc], "spans": mine}), self.config)
+            for out in attach_spans((doc["id"], {"docs": [doc], "spans": mine}), self.config):
+                if isinstance(out, pvalue.TaggedOutput) and out.tag == CHARS:
+                    chars += out.value
+                else:
+                    yield out
+        if chars:
+            yield pvalue.TaggedOutput(CHARS, chars)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,7 +623,7 @@ class ExactDedup:
             | "JoinShard" >> spill.CoGroupByKey()
             | "Attach"
             >> beam.ParDo(AttachShard(config, output, num_shards)).with_outputs(
-                DEAD, CHARS, main="shards"
+                DEAD, CHARS, SPAN_DOCS, main="shards"
             )
         )
         if config.dedup_paragraphs:
@@ -604,7 +631,7 @@ class ExactDedup:
                 _paragraph_totals(
                     config,
                     shared=found[SHARED],
-                    span_keys=spans | "SpanDocKeys" >> beam.Map(lambda item: item[1][0]),
+                    span_docs=attached[SPAN_DOCS],
                     errors=scanned[ERRORS],
                     chars=attached[CHARS],
                 )
