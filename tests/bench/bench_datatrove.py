@@ -49,6 +49,14 @@ DataTrove's docs/s.
    content the same normalized text (lowercased ``\\w+`` runs joined by spaces), xxhash64.
    Recall: planted copies found; precision: removed documents whose normalized text equals a
    kept one's.
+   *At both levels*, like for like: ours with ``paragraph_unit: line`` and
+   ``remove_duplicate_paragraphs: true`` (documents, then every line repeated from another
+   kept document cut out). DataTrove = the exact dedup above, then its sentence dedup on lines
+   (``SentDedupConfig(n_sentences=1, split_sentences=False)``, the same normalization: lowercase,
+   punctuation to spaces; spans under ``min_paragraph_words`` words kept; no minimum document
+   size), the sentence signatures taken from the exact filter's stream, so that both sides read
+   the input three times. DataTrove also cuts lines repeated within one document, which ours
+   leaves to the quality stage; the documents with lines cut are counted on each side.
 3. *MinHash dedup*: ours = ``pipelines.fuzzy_dedup`` (256 permutations, 23 bands x 11 rows,
    candidates verified at signature Jaccard >= 0.8, connected components). DataTrove =
    ``MinhashDedupSignature`` / ``Buckets`` / ``Cluster`` / ``Filter`` with 23 buckets x 11
@@ -87,7 +95,7 @@ sys.path.insert(0, str(ROOT))
 import xxhash  # noqa: E402
 
 from pipelines.beam_io import read_dead_letters, read_documents  # noqa: E402
-from pipelines.configs import FuzzyDedupConfig, QualityThresholds  # noqa: E402
+from pipelines.configs import ExactDedupConfig, FuzzyDedupConfig, QualityThresholds  # noqa: E402
 from pipelines.manifest import read_manifest  # noqa: E402
 from pipelines.quality import apply_thresholds  # noqa: E402
 from pipelines.text import dedup_key_text, words  # noqa: E402
@@ -209,10 +217,10 @@ def ours(module: str, inputs: Path, output: Path, config: dict) -> dict:
     return run
 
 
-def datatrove(stage: str, inputs: Path, work: Path) -> dict:
+def datatrove(stage: str, inputs: Path, work: Path, *options: str) -> dict:
     shutil.rmtree(work, ignore_errors=True)  # the executor skips tasks it finds completed
     argv = [str(DATATROVE_PYTHON), str(SIDE), stage, "--input", str(inputs), "--work", str(work)]
-    run = run_child(argv)
+    run = run_child([*argv, *options])
     result = json.loads(run["stdout"].strip().splitlines()[-1])
     run["stage_seconds"] = result["seconds"]
     run["steps"] = result["steps"]
@@ -389,6 +397,46 @@ def main() -> None:
         "exact_dedup", "datatrove", theirs, removed=len(removed), recall=recall, precision=precision
     )
 
+    # 2b. exact dedup at both levels, like for like: documents, then repeated lines removed
+    lines = {**demo["exact_dedup"], "paragraph_unit": "line", "remove_duplicate_paragraphs": True}
+    mine = ours("exact_dedup", out / "ingest", out / "exact_dedup_lines", lines)
+    removed, changed = set(), set()
+    for letter in read_dead_letters(str(out / "exact_dedup_lines")):
+        doc_id = letter["record"]["id"]
+        (removed if letter["reason"] == "exact_duplicate" else changed).add(doc_id)
+    changed |= {
+        d["id"]
+        for d in read_documents(str(out / "exact_dedup_lines"))
+        if d["text"] != texts[d["id"]]
+    }
+    recall, precision = exact_scores(texts, removed, exact_pairs)
+    row(
+        "exact_dedup_lines",
+        "ours (documents + lines)",
+        mine,
+        removed=len(removed),
+        changed=len(changed),
+        recall=recall,
+        precision=precision,
+    )
+    min_words = str(ExactDedupConfig(**lines).min_paragraph_words)
+    theirs = datatrove("exact_lines", shards, out / "dt_exact_lines", "--min-line-words", min_words)
+    removed = {d["id"] for d in datatrove_docs(out / "dt_exact_lines" / "removed")}
+    dt_kept = {d["id"]: d["text"] for d in datatrove_docs(out / "dt_exact_lines" / "kept")}
+    # Documents left empty are dropped without a record there: changed too.
+    dt_changed = {i for i in texts if i not in removed and dt_kept.get(i) != texts[i]}
+    recall, precision = exact_scores(texts, removed, exact_pairs)
+    row(
+        "exact_dedup_lines",
+        "datatrove",
+        theirs,
+        removed=len(removed),
+        changed=len(dt_changed),
+        changed_by_both=len(changed & dt_changed),
+        recall=recall,
+        precision=precision,
+    )
+
     # 3. MinHash dedup
     mine = ours("fuzzy_dedup", out / "ingest", out / "fuzzy_dedup", demo["fuzzy_dedup"])
     cluster = {
@@ -437,6 +485,10 @@ def print_tables(rows: list[dict], n_docs: int, megabytes: float, lsh: tuple[int
         result = (f"{r['kept']:,} kept" if "kept" in r else f"{r['removed']:,} removed") + (
             f" ({r['agreement']:.1%} agree)" if "agreement" in r else ""
         )
+        if "changed" in r:
+            result += f", {r['changed']:,} with lines cut" + (
+                f" ({r['changed_by_both']:,} by both)" if "changed_by_both" in r else ""
+            )
         recall = f"{r['recall']:.3f}" if "recall" in r else ""
         precision = f"{r['precision']:.3f}" if "precision" in r else ""
         print(

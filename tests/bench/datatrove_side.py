@@ -1,7 +1,7 @@
 """The DataTrove side of ``tests/bench/bench_datatrove.py``: one stage's DataTrove pipelines.
 
-    .venv-datatrove/bin/python tests/bench/datatrove_side.py {quality,exact,minhash} \\
-        --input DIR --work DIR [--tasks N] [--workers 1]
+    .venv-datatrove/bin/python tests/bench/datatrove_side.py {quality,exact,exact_lines,minhash} \\
+        --input DIR --work DIR [--tasks N] [--workers 1] [--min-line-words 3]
 
 Runs in ``.venv-datatrove`` (``make bench`` builds it; DataTrove is no dependency of Slipway)
 and imports only DataTrove, its dependencies and the standard library: nothing of Slipway's.
@@ -46,6 +46,10 @@ from datatrove.pipeline.dedup import (
     MinhashDedupCluster,
     MinhashDedupFilter,
     MinhashDedupSignature,
+    SentDedupConfig,
+    SentenceDedupFilter,
+    SentenceDedupSignature,
+    SentenceFindDedups,
 )
 from datatrove.pipeline.filters import (
     C4QualityFilter,
@@ -151,29 +155,103 @@ def filter_step(args: argparse.Namespace, make_filter: Callable[[JsonlWriter], o
     )
 
 
-def exact(args: argparse.Namespace) -> dict[str, float]:
-    config = ExactDedupConfig(content_getter=dedup_key, hash_config=HashConfig(precision=64))
+EXACT = ExactDedupConfig(content_getter=dedup_key, hash_config=HashConfig(precision=64))
+
+
+def exact_duplicates(args: argparse.Namespace, steps: dict[str, float]) -> Callable[..., object]:
+    """Exact dedup's first two stages (signatures, then the duplicates found), timed into
+    ``steps``; returns a maker of its filter, ``(exclusion writer or None) -> filter``."""
     sigs, dups = args.work / "sigs", args.work / "dups"
-    steps = {}
     steps["signatures"] = run(
         "signatures",
-        [reader(args.input), ExactDedupSignature(output_folder=str(sigs), config=config)],
+        [reader(args.input), ExactDedupSignature(output_folder=str(sigs), config=EXACT)],
         args.work,
         args.tasks,
         args.workers,
     )
     steps["find_dedups"] = run(
         "find_dedups",
-        [ExactFindDedups(data_folder=str(sigs), output_folder=str(dups), config=config)],
+        [ExactFindDedups(data_folder=str(sigs), output_folder=str(dups), config=EXACT)],
         args.work,
         1,
         1,
     )
-    steps["filter"] = filter_step(
-        args,
-        lambda removed: ExactDedupFilter(
-            data_folder=str(dups), config=config, exclusion_writer=removed
+    return lambda removed=None: ExactDedupFilter(
+        data_folder=str(dups), config=EXACT, exclusion_writer=removed
+    )
+
+
+def exact(args: argparse.Namespace) -> dict[str, float]:
+    steps: dict[str, float] = {}
+    exact_filter = exact_duplicates(args, steps)
+    steps["filter"] = filter_step(args, exact_filter)
+    return steps
+
+
+def exact_lines(args: argparse.Namespace) -> dict[str, float]:
+    """Documents, then repeated lines across the kept documents, removed: ``exact`` followed by
+    DataTrove's sentence dedup on lines (C4's three-sentence spans cut down to one line).
+
+    DataTrove's cheapest arrangement of the two: the sentence signatures are taken from the
+    exact filter's output as it streams (no intermediate write), and the last pass reads the
+    input once more through both filters. So the input is read three times, as ours does.
+    """
+    lines = SentDedupConfig(
+        n_sentences=1,
+        split_sentences=False,  # lines (``str.splitlines``), not sentences
+        only_dedup_in_index=False,
+        min_doc_words=0,  # keep every document that has text left, as ours
+        min_num_sentences=0,
+        min_words_to_remove_span=args.min_line_words,
+        # Ours' normalization: lowercase, punctuation to spaces, runs of spaces as one.
+        norm_config=TextNormConfig(
+            lowercase=True,
+            norm_whitespace=True,
+            remove_punctuation=True,
+            norm_unicode_diacritics=False,
+            norm_numbers=False,
+            norm_weekdays=False,
+            norm_monthnames=False,
         ),
+        hash_config=HashConfig(precision=64, hash_fc="xxhash"),
+    )
+    line_sigs, line_dups = args.work / "line_sigs", args.work / "line_dups"
+    words = RegexWords()
+    steps: dict[str, float] = {}
+    exact_filter = exact_duplicates(args, steps)
+    steps["line_signatures"] = run(
+        "line_signatures",
+        [
+            reader(args.input),
+            exact_filter(),
+            SentenceDedupSignature(output_folder=str(line_sigs), config=lines, language=words),
+        ],
+        args.work,
+        args.tasks,
+        args.workers,
+    )
+    steps["line_find_dedups"] = run(
+        "line_find_dedups",
+        [
+            SentenceFindDedups(
+                data_folder=str(line_sigs), output_folder=str(line_dups), config=lines
+            )
+        ],
+        args.work,
+        1,
+        1,
+    )
+    steps["filter"] = run(
+        "filter",
+        [
+            reader(args.input),
+            exact_filter(JsonlWriter(str(args.work / "removed"))),
+            SentenceDedupFilter(data_folder=str(line_dups), config=lines, language=words),
+            JsonlWriter(str(args.work / "kept")),
+        ],
+        args.work,
+        args.tasks,
+        args.workers,
     )
     return steps
 
@@ -239,17 +317,21 @@ def minhash(args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=("quality", "exact", "minhash"))
+    parser.add_argument("stage", choices=("quality", "exact", "exact_lines", "minhash"))
     parser.add_argument("--input", type=Path, required=True, help="folder of *.jsonl.gz")
     parser.add_argument("--work", type=Path, required=True, help="output and scratch folder")
     parser.add_argument("--tasks", type=int, default=0, help="0: one per input file")
     parser.add_argument("--workers", type=int, default=1, help="1: tasks in sequence, in process")
+    parser.add_argument(
+        "--min-line-words", type=int, default=3, help="exact_lines: shorter spans are kept"
+    )
     parser.add_argument("--ngram", type=int, default=5)
     parser.add_argument("--bands", type=int, default=23)
     parser.add_argument("--rows", type=int, default=11)
     args = parser.parse_args(argv)
     args.tasks = args.tasks or len(list(args.input.glob("*.jsonl.gz")))
-    steps = {"quality": quality, "exact": exact, "minhash": minhash}[args.stage](args)
+    stages = {"quality": quality, "exact": exact, "exact_lines": exact_lines, "minhash": minhash}
+    steps = stages[args.stage](args)
     print(json.dumps({"seconds": sum(steps.values()), "steps": steps}), flush=True)
     # Peak resident memory of this process (the caller's measure, as for our stages).
     status = Path("/proc/self/status").read_text()
