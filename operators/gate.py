@@ -14,6 +14,11 @@ promoted model of the form's ``model_name`` (:mod:`operators.promotion`), and th
   criteria and by how much, recorded in lineage as the gate execution FAILED with the table.
   ``record`` (``all_done``) still writes the run's summary, which says the gate failed and why.
 
+Two gates of one model name deciding at once: the promotion is a compare-and-set on the
+model's latest version in lineage (``record_promotion``'s ``if_latest``), so the second to
+record finds that the model it judged against is no longer the current one, promotes
+nothing, and fails, saying so; cleared, it decides again against the new promotion.
+
 Not a content-addressed step: whether a model passes depends on what is promoted now, so a
 cached answer could be wrong. It is recorded in lineage like every task, whatever its outcome.
 """
@@ -37,7 +42,8 @@ from operators.step_lineage import (
 
 
 class GateFailed(RuntimeError):
-    """The model did not meet the gate's criteria (the message holds the table)."""
+    """The gate could not decide: nothing to judge, or another gate promoted the model it
+    judged against before it could record. Unlike failed criteria, a rerun may pass."""
 
 
 class GateOperator(StepLineageMixin, BaseOperator):
@@ -115,7 +121,7 @@ class GateOperator(StepLineageMixin, BaseOperator):
         from airflow.sdk.exceptions import AirflowFailException
 
         from operators import promotion as p
-        from operators.lineage import EventType, ExecutionState
+        from operators.lineage import EventType, ExecutionState, Superseded
 
         params = self.run_params(context)
         name = params["model_name"]
@@ -154,6 +160,9 @@ class GateOperator(StepLineageMixin, BaseOperator):
                     p.Metrics.from_evaluation(evaluation),
                     measured=p.measurements(self.step_graph(context).evaluate.config),
                 )
+                # Read first: a promotion recorded after it, even one the baseline below
+                # already sees, makes record_promotion refuse (never the other way round).
+                latest = p.latest_version(store, name)
                 baseline = p.current_promotion(store, name, exclude_run=run_id)
                 if baseline is not None:
                     store.link(
@@ -174,28 +183,35 @@ class GateOperator(StepLineageMixin, BaseOperator):
                 message = (
                     f"model {name} not promoted: gate {decision.summary()}\n{decision.table()}"
                 )
-                store.finish_execution(
-                    execution,
-                    ExecutionState.FAILED,
-                    error=message,
-                    properties={"gate": decision.to_dict(), "promoted": None},
-                )
+                _not_promoted(store, execution, decision, message)
                 raise AirflowFailException(message)
             # the trained run's folder (its checkpoints, metrics, config), not one checkpoint
             model = resolve_uri(self.step_graph(context).evaluate.config["train"], root)
-            promoted = p.record_promotion(
-                store,
-                execution,
-                name,
-                metrics,
-                run_id=run_id,
-                pipeline=self.dag_id,
-                model=model,
-                checkpoint=evaluation.get("checkpoint"),
-                step=evaluation.get("step"),
-                decision=decision,
-                export=self.export_folder(context),
-            )
+            try:
+                promoted = p.record_promotion(
+                    store,
+                    execution,
+                    name,
+                    metrics,
+                    run_id=run_id,
+                    pipeline=self.dag_id,
+                    model=model,
+                    checkpoint=evaluation.get("checkpoint"),
+                    step=evaluation.get("step"),
+                    decision=decision,
+                    if_latest=latest,
+                    export=self.export_folder(context),
+                )
+            except Superseded as exc:
+                message = (
+                    f"model {name} not promoted: another gate promoted {name} while this one"
+                    f" decided ({exc}). Clear this gate to decide again, against that model"
+                )
+                _not_promoted(store, execution, decision, message)
+                raise GateFailed(message) from exc
+            except BaseException as exc:
+                self.fail_step_execution(store, execution, exc)
+                raise
             store.finish_execution(
                 execution,
                 ExecutionState.COMPLETE,
@@ -219,3 +235,15 @@ class GateOperator(StepLineageMixin, BaseOperator):
         context["outlet_events"][AssetAlias(MODELS_ALIAS)].add(Asset(promoted.uri), extra=extra)
         self.log.info("promoted %s as %s @%s", model, promoted.uri, promoted.version)
         return {"promoted": True, "uri": promoted.uri, **extra, "gate": decision.to_dict()}
+
+
+def _not_promoted(store: Any, execution: int, decision: Any, message: str) -> None:
+    """The gate execution ends FAILED with ``message`` and its decision, promoting nothing."""
+    from operators.lineage import ExecutionState
+
+    store.finish_execution(
+        execution,
+        ExecutionState.FAILED,
+        error=message,
+        properties={"gate": decision.to_dict(), "promoted": None},
+    )

@@ -530,6 +530,17 @@ def current_promotion(store: Any, name: str, *, exclude_run: str | None = None) 
     return found[-1] if found else None
 
 
+def latest_version(store: Any, name: str) -> str | None:
+    """The version of the latest artifact at ``name``'s URI, None if there is none: what a
+    gate reads before it decides, and hands :func:`record_promotion` as ``if_latest``."""
+    from operators.lineage import NotFound
+
+    try:
+        return store.artifact(model_uri(name)).version
+    except NotFound:
+        return None
+
+
 def promotion_version(execution: int) -> str:
     """One promotion's artifact version: unique per gate execution, so each promotion is a new
     version of the model's URI and the latest recorded is the current one."""
@@ -548,10 +559,17 @@ def record_promotion(
     checkpoint: str | None,
     step: int | None,
     decision: Decision,
+    if_latest: str | None,
     export: str | None = None,
 ) -> Promotion:
     """Record the gate execution's output: the promoted model of ``name`` (see the module
-    docstring). Returns it as :func:`current_promotion` will now read it."""
+    docstring). Returns it as :func:`current_promotion` will now read it.
+
+    ``if_latest``: :func:`latest_version` as read *before* the decision's baseline. If another
+    gate promoted a model of ``name`` since, the decision was made against a model that is no
+    longer the current one: nothing is recorded and :class:`~operators.lineage.Superseded` is
+    raised, so of two gates deciding at once, one promotes and the other must decide again.
+    """
     counts: dict[str, Any] = {}
     if metrics.mean_bits_per_byte is not None:
         counts["heldout_bits_per_byte"] = round(metrics.mean_bits_per_byte, 6)
@@ -574,6 +592,7 @@ def record_promotion(
         PROMOTED_MODEL,
         role="promoted",
         version=promotion_version(execution),
+        if_latest=if_latest,
         counts=counts,
         properties=properties,
     )

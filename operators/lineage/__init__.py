@@ -17,6 +17,7 @@ from operators.lineage.store import (
     RunOutput,
     RunSummary,
     StepNode,
+    Superseded,
     TraceNode,
 )
 from operators.lineage.url import LineageConfigError, lineage_url
@@ -40,6 +41,7 @@ __all__ = [
     "RunOutput",
     "RunSummary",
     "StepNode",
+    "Superseded",
     "TraceNode",
     "code_version",
     "container_image",

@@ -20,6 +20,9 @@ duplicate a record, on either database:
 * "close it if it is still RUNNING" (the listener, ``cancel_running``) is one conditional
   ``UPDATE ... WHERE state = 'RUNNING'``, which Postgres re-checks against the row's latest
   version: a step's own COMPLETE committed meanwhile is never overwritten;
+* a write conditional on what its writer read (``record_output(..., if_latest=...)``, the
+  gate's promotion) checks the URI's latest version under a transaction advisory lock on the
+  URI (Postgres) or in its serialized write transaction (SQLite): of two, one wins;
 * a transaction that Postgres rolls back as a serialization failure or a deadlock is retried
   whole (a few times, with jittered backoff). Connection errors are not retried: the commit
   may have happened, and a replayed ``start_execution`` would duplicate the execution.
@@ -35,6 +38,8 @@ databases store such a float as ``{"$float": "NaN"}`` and read it back as the fl
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import json
 import logging
 import math
@@ -120,6 +125,28 @@ class LineageError(RuntimeError):
 
 class NotFound(LineageError, KeyError):
     pass
+
+
+class Superseded(LineageError):
+    """A conditional write (``record_output(..., if_latest=...)``) found that the URI's latest
+    version is no longer the one its writer read: another writer got there first. Nothing was
+    recorded."""
+
+    def __init__(self, uri: str, expected: str | None, found: str | None) -> None:
+        super().__init__(
+            f"{uri} changed meanwhile: its latest version is {found or 'none'},"
+            f" not {expected or 'none'}"
+        )
+        self.uri, self.expected, self.found = uri, expected, found
+
+
+class Unchecked(enum.Enum):
+    """``record_output``'s default ``if_latest``: write whatever the latest version is."""
+
+    UNCHECKED = "unchecked"
+
+
+UNCHECKED = Unchecked.UNCHECKED
 
 
 class RunIdConflict(LineageError):
@@ -601,12 +628,23 @@ class LineageStore:
         *,
         role: str | None = None,
         version: str | None = None,
+        if_latest: str | Unchecked | None = UNCHECKED,
         **fields: Any,
     ) -> int:
         """Record an artifact the execution produced; it inherits the execution's code
         version and container image unless given. ``version`` as in :meth:`record_artifact`
-        (step outputs: the step's version)."""
-        return self._record_io(execution_id, uri, type, EventType.OUTPUT, role, version, fields)
+        (step outputs: the step's version).
+
+        ``if_latest``: record it only if ``uri``'s latest version is still this one (None: it
+        has none yet), else raise :class:`Superseded` and record nothing. A compare-and-set
+        for a writer that decided on what it read (the gate, on the promoted model): of two
+        such writers that read the same version, one wins. Writers of one URI are serialized
+        for the check (Postgres: a transaction-scoped advisory lock on the URI; SQLite's
+        ``BEGIN IMMEDIATE`` serializes every writer).
+        """
+        return self._record_io(
+            execution_id, uri, type, EventType.OUTPUT, role, version, fields, if_latest
+        )
 
     def _record_io(
         self,
@@ -617,6 +655,7 @@ class LineageStore:
         role: str | None,
         version: str | None,
         fields: Mapping[str, Any],
+        if_latest: str | Unchecked | None = UNCHECKED,
     ) -> int:
         given = {"content_hash": None, "counts": None, "config": None, **fields}
         unknown = set(given) - {
@@ -632,6 +671,8 @@ class LineageStore:
         key = version if version is not None else given["content_hash"]
 
         def work(session: Session) -> int:
+            if if_latest is not UNCHECKED:
+                _check_latest(session, uri, if_latest)
             values = dict(given)
             if kind is EventType.OUTPUT:
                 producer = session.get(Execution, execution_id)
@@ -1135,6 +1176,25 @@ def _link(
             {"context_id": context_id, "artifact_id": artifact_id},
             ("context_id", "artifact_id"),
         )
+
+
+def _check_latest(session: Session, uri: str, expected: str | None) -> None:
+    """Raise :class:`Superseded` unless ``uri``'s latest version is ``expected``; on Postgres
+    first take ``uri``'s advisory lock, held to the end of the transaction, so that no other
+    conditional writer of ``uri`` checks until this one has committed or rolled back (at READ
+    COMMITTED, its check then sees this one's version)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(func.pg_advisory_xact_lock(_uri_lock_key(uri))))
+    latest = _find_artifact(session, uri, None)
+    found = None if latest is None else latest.version
+    if found != expected:
+        raise Superseded(uri, expected, found)
+
+
+def _uri_lock_key(uri: str) -> int:
+    """A URI's advisory lock key: a signed 64-bit hash (Postgres' bigint)."""
+    digest = hashlib.blake2b(uri.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
 
 
 def _find_artifact(session: Session, uri: str, version: str | None) -> Artifact | None:

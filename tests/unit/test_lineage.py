@@ -17,6 +17,7 @@ from operators.lineage import (
     LineageStore,
     NotFound,
     RunIdConflict,
+    Superseded,
     code_version,
     lineage_url,
 )
@@ -312,6 +313,69 @@ def test_several_processes_write_one_sqlite_file(url):
         assert all(r.counts == {"COMPLETE": 15} for r in runs)
         with store._read() as session:
             assert session.query(Context).filter_by(type="pipeline").count() == 1
+
+
+def test_a_conditional_output_is_recorded_only_over_the_version_its_writer_read(url):
+    uri, promoted = "slipway://models/m", ArtifactType.PROMOTED_MODEL
+    with LineageStore(url) as store:
+        first = store.start_execution("gate", run_id="run-1", pipeline="lm")
+        store.record_output(first, uri, promoted, version="p1", if_latest=None)
+        second = store.start_execution("gate", run_id="run-2", pipeline="lm")
+        with pytest.raises(Superseded) as err:  # it read "no model yet", and p1 came meanwhile
+            store.record_output(second, uri, promoted, version="p2", if_latest=None)
+        assert (err.value.uri, err.value.expected, err.value.found) == (uri, None, "p1")
+        assert str(err.value) == f"{uri} changed meanwhile: its latest version is p1, not none"
+        # Nothing recorded: no version, no event of the refused execution.
+        assert [a.version for a in store.artifact_versions(uri)] == ["p1"]
+        assert store.run_graph("run-2").steps[0].outputs == ()
+        store.record_output(second, uri, promoted, version="p2", if_latest="p1")
+        assert [a.version for a in store.artifact_versions(uri)] == ["p1", "p2"]
+        with pytest.raises(Superseded, match="its latest version is p2, not p1"):
+            store.record_output(first, uri, promoted, version="p3", if_latest="p1")
+
+
+def _conditional_writer(url: str, worker: int, rounds: int, barrier, wins) -> None:
+    store = LineageStore(url)
+    execution = store.start_execution("gate", run_id=f"run-{worker}", pipeline="p")
+    for r in range(rounds):
+        barrier.wait(60)  # every worker read "nothing there yet"; now all write at once
+        try:
+            store.record_output(
+                execution,
+                f"slipway://models/m{r}",
+                "promoted_model",
+                version=f"w{worker}",
+                if_latest=None,
+            )
+            wins.put((r, worker))
+        except Superseded:
+            pass
+    store.close()
+
+
+def test_of_writers_racing_on_one_version_exactly_one_wins(url):
+    # Without the URI's advisory lock, Postgres at READ COMMITTED lets several writers see no
+    # version and all record theirs; SQLite's BEGIN IMMEDIATE serializes them anyway.
+    ctx = multiprocessing.get_context("spawn")
+    workers, rounds = 4, 8
+    barrier, wins = ctx.Barrier(workers), ctx.Queue()
+    LineageStore(url).close()  # the schema, before the workers race for it
+    procs = [
+        ctx.Process(target=_conditional_writer, args=(url, w, rounds, barrier, wins))
+        for w in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * workers
+    won = sorted(wins.get(timeout=5) for _ in range(rounds))
+    assert [r for r, _ in won] == list(range(rounds))  # one winner a round
+    assert wins.empty()
+    with LineageStore(url) as store:
+        for r, worker in won:
+            versions = store.artifact_versions(f"slipway://models/m{r}")
+            assert [a.version for a in versions] == [f"w{worker}"]
 
 
 def test_lineage_url_from_environment(monkeypatch, tmp_path):

@@ -16,6 +16,7 @@ from operators.promotion import (
     decide,
     gate_line,
     gate_outcome,
+    latest_version,
     model_uri,
     promotions,
     record_promotion,
@@ -89,6 +90,7 @@ def promote(store, name: str, run_id: str, m: Metrics):
         checkpoint=f"/steps/train-{run_id}/checkpoints/6",
         step=6,
         decision=decide(Criteria(), m),
+        if_latest=latest_version(store, name),
     )
     store.finish_execution(execution)
     return promoted
@@ -462,3 +464,50 @@ def test_a_metric_measured_on_other_data_is_not_compared_with_the_promoted_one(h
     message = str(err.value)
     assert "every one in common was measured on other data" in message
     assert "promote once without gate_max_regression" in message
+
+
+def test_of_two_gates_deciding_at_once_the_second_to_record_promotes_nothing(
+    home, params, monkeypatch
+):
+    # run-2's gate decides against run-1's model; before it records, run-3's gate promotes.
+    # run-2 must not replace run-3's model on a comparison with run-1's: it fails, saying so,
+    # and cleared, it decides again against run-3's.
+    from operators import promotion
+    from operators.gate import GateFailed, GateOperator
+
+    GateOperator().execute(_context(params, "run-1", evaluation(brown=2.0)))
+    form = {"gate_max_regression": 0.05}
+    real_decide = promotion.decide
+    third = _context(params, "run-3", evaluation(brown=1.5), **form)
+    interleaved = []
+
+    def decide_while_run_3_promotes(criteria, metrics, baseline=None):
+        decision = real_decide(criteria, metrics, baseline)
+        if not interleaved:  # run-2's decision: run-3's whole gate runs before it records
+            interleaved.append(True)
+            GateOperator().execute(third)
+        return decision
+
+    monkeypatch.setattr(promotion, "decide", decide_while_run_3_promotes)
+    second = _context(params, "run-2", evaluation(brown=2.04), **form)
+    with pytest.raises(GateFailed) as err:
+        GateOperator().execute(second)
+    assert str(err.value).startswith(
+        "model slipway-demo not promoted: another gate promoted slipway-demo while this one"
+        " decided (slipway://models/slipway-demo changed meanwhile: its latest version is"
+    )
+    assert str(err.value).endswith("Clear this gate to decide again, against that model")
+    assert _events(second) == []
+    with _lineage(home) as store:
+        assert current_promotion(store, "slipway-demo").run_id == "run-3"
+        (gate,) = store.executions("run-2")
+        assert str(gate.state) == "FAILED" and gate.error == str(err.value)
+        assert gate.properties["promoted"] is None and gate.properties["gate"]["passed"]
+        assert "promoted" not in {link.role for link in store.run_graph("run-2").steps[0].outputs}
+
+    monkeypatch.setattr(promotion, "decide", real_decide)
+    from airflow.sdk.exceptions import AirflowFailException
+
+    # Cleared: judged against run-3's 1.5, 2.04 is a regression of 0.54.
+    with pytest.raises(AirflowFailException, match=r"heldout-brown bits/byte vs promoted"):
+        GateOperator().execute(_context(params, "run-2", evaluation(brown=2.04), **form))
