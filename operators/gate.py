@@ -203,12 +203,12 @@ class GateOperator(StepLineageMixin, BaseOperator):
                     export=self.export_folder(context),
                 )
             except Superseded as exc:
-                message = (
-                    f"model {name} not promoted: another gate promoted {name} while this one"
-                    f" decided ({exc}). Clear this gate to decide again, against that model"
+                reason = (
+                    f"another gate promoted {name} while this one decided ({exc}). Clear this"
+                    " gate to decide again, against that model"
                 )
-                _not_promoted(store, execution, decision, message)
-                raise GateFailed(message) from exc
+                _not_promoted(store, execution, decision, reason)
+                raise GateFailed(f"model {name} not promoted: {reason}") from exc
             except BaseException as exc:
                 self.fail_step_execution(store, execution, exc)
                 raise

@@ -614,6 +614,9 @@ def gate_outcome(executions: Sequence[Any]) -> dict[str, Any] | None:
         "state": str(ex.state),
         "model_name": props.get("model_name"),
         "promoted": bool(promoted),
+        # The criteria passed: a gate that did not promote all the same failed on something
+        # else (another gate promoted first), which its error says.
+        "passed": bool(gate.get("passed")),
         "uri": promoted.get("uri"),
         "version": promoted.get("version"),
         "summary": gate.get("summary"),
@@ -631,7 +634,7 @@ def gate_line(outcome: Mapping[str, Any] | None) -> str | None:
     if outcome.get("promoted"):
         line = f"gate: promoted {outcome['uri']} @{outcome['version']} ({outcome.get('summary')})"
         return f"{line}\n  warning: {outcome['warning']}" if outcome.get("warning") else line
-    if outcome.get("summary"):
+    if outcome.get("summary") and not outcome.get("passed"):
         # The failed criteria's table is the gate's error, listed under failures.
         return f"gate: {outcome['state']}, {name} not promoted ({outcome['summary']})"
     return f"gate: {outcome['state']}, {name} not promoted: {outcome.get('error')}"

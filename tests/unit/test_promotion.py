@@ -501,8 +501,19 @@ def test_of_two_gates_deciding_at_once_the_second_to_record_promotes_nothing(
     with _lineage(home) as store:
         assert current_promotion(store, "slipway-demo").run_id == "run-3"
         (gate,) = store.executions("run-2")
-        assert str(gate.state) == "FAILED" and gate.error == str(err.value)
+        assert str(gate.state) == "FAILED"
+        assert str(err.value) == f"model slipway-demo not promoted: {gate.error}"
         assert gate.properties["promoted"] is None and gate.properties["gate"]["passed"]
+        # The run summary says why: not its criteria, which passed.
+        assert gate_line(gate_outcome(store.executions("run-2"))) == (
+            f"gate: FAILED, slipway-demo not promoted: {gate.error}"
+        )
+        from markupsafe import escape
+
+        from operators.reports import pages
+
+        page = pages.run_page(store, "run-2", "/slipway")
+        assert f"FAILED: slipway-demo not promoted: {escape(gate.error)}</p>" in page
         assert "promoted" not in {link.role for link in store.run_graph("run-2").steps[0].outputs}
 
     monkeypatch.setattr(promotion, "decide", real_decide)
