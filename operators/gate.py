@@ -42,8 +42,9 @@ from operators.step_lineage import (
 
 
 class GateFailed(RuntimeError):
-    """The gate could not decide: nothing to judge, or another gate promoted the model it
-    judged against before it could record. Unlike failed criteria, a rerun may pass."""
+    """The gate did not get to promote: nothing to judge, or another gate promoted a model of
+    the name between this one's reading and its record. Unlike failed criteria, a rerun may
+    pass."""
 
 
 class GateOperator(StepLineageMixin, BaseOperator):
@@ -185,9 +186,9 @@ class GateOperator(StepLineageMixin, BaseOperator):
                 )
                 _not_promoted(store, execution, decision, message)
                 raise AirflowFailException(message)
-            # the trained run's folder (its checkpoints, metrics, config), not one checkpoint
-            model = resolve_uri(self.step_graph(context).evaluate.config["train"], root)
             try:
+                # the trained run's folder (its checkpoints, metrics, config), not a checkpoint
+                model = resolve_uri(self.step_graph(context).evaluate.config["train"], root)
                 promoted = p.record_promotion(
                     store,
                     execution,

@@ -509,8 +509,8 @@ def partition_spans(item: tuple[int, Iterable[list[Any]]], num_shards: int) -> I
             by_digest.setdefault(digest, []).append((key, start, end))
     by_shard: dict[int, list[tuple[DocKey, Span]]] = {}
     shared = 0
-    for digest_occurrences in by_digest.items():
-        for out in repeated_spans(digest_occurrences):
+    while by_digest:  # popped, so that the partition is not held twice (occurrences, spans)
+        for out in repeated_spans(by_digest.popitem()):
             if isinstance(out, pvalue.TaggedOutput):
                 shared += out.value
             else:

@@ -53,10 +53,13 @@ DataTrove's docs/s.
    ``remove_duplicate_paragraphs: true`` (documents, then every line repeated from another
    kept document cut out). DataTrove = the exact dedup above, then its sentence dedup on lines
    (``SentDedupConfig(n_sentences=1, split_sentences=False)``, the same normalization: lowercase,
-   punctuation to spaces; spans under ``min_paragraph_words`` words kept; no minimum document
-   size), the sentence signatures taken from the exact filter's stream, so that both sides read
-   the input three times. DataTrove also cuts lines repeated within one document, which ours
-   leaves to the quality stage; the documents with lines cut are counted on each side.
+   punctuation to spaces; ``min_words_to_remove_span`` = ours' ``min_paragraph_words``; no
+   minimum document size), the sentence signatures taken from the exact filter's stream, so
+   that both sides read the input three times. What each cuts differs: DataTrove also cuts
+   lines repeated within one document (ours leaves them to the quality stage), and it
+   compares every line, keeping a run of repeated lines only when the run's first line is
+   short (ours never compares a short line). The documents with lines cut are counted on
+   each side, and those cut by both.
 3. *MinHash dedup*: ours = ``pipelines.fuzzy_dedup`` (256 permutations, 23 bands x 11 rows,
    candidates verified at signature Jaccard >= 0.8, connected components). DataTrove =
    ``MinhashDedupSignature`` / ``Buckets`` / ``Cluster`` / ``Filter`` with 23 buckets x 11

@@ -202,6 +202,8 @@ def exact_lines(args: argparse.Namespace) -> dict[str, float]:
         only_dedup_in_index=False,
         min_doc_words=0,  # keep every document that has text left, as ours
         min_num_sentences=0,
+        # Not ours' rule: DataTrove compares every line, and keeps a run of consecutive
+        # repeated lines when the run's first line is shorter (ours never compares such a line).
         min_words_to_remove_span=args.min_line_words,
         # Ours' normalization: lowercase, punctuation to spaces, runs of spaces as one.
         norm_config=TextNormConfig(

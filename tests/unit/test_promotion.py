@@ -466,29 +466,32 @@ def test_a_metric_measured_on_other_data_is_not_compared_with_the_promoted_one(h
     assert "promote once without gate_max_regression" in message
 
 
+@pytest.mark.parametrize("overtaken_in", ["decide", "current_promotion"])
 def test_of_two_gates_deciding_at_once_the_second_to_record_promotes_nothing(
-    home, params, monkeypatch
+    home, params, monkeypatch, overtaken_in
 ):
-    # run-2's gate decides against run-1's model; before it records, run-3's gate promotes.
-    # run-2 must not replace run-3's model on a comparison with run-1's: it fails, saying so,
-    # and cleared, it decides again against run-3's.
+    # run-2's gate decides against run-1's model; before it records, run-3's gate promotes:
+    # after run-2's decision, or right after it read run-1's model as its baseline (which
+    # only the gate's reading of the latest version *before* the baseline catches). run-2
+    # must not replace run-3's model on a comparison with run-1's: it fails, saying so, and
+    # cleared, it decides again against run-3's.
     from operators import promotion
     from operators.gate import GateFailed, GateOperator
 
     GateOperator().execute(_context(params, "run-1", evaluation(brown=2.0)))
     form = {"gate_max_regression": 0.05}
-    real_decide = promotion.decide
+    real = getattr(promotion, overtaken_in)
     third = _context(params, "run-3", evaluation(brown=1.5), **form)
     interleaved = []
 
-    def decide_while_run_3_promotes(criteria, metrics, baseline=None):
-        decision = real_decide(criteria, metrics, baseline)
-        if not interleaved:  # run-2's decision: run-3's whole gate runs before it records
+    def while_run_3_promotes(*args, **kwargs):
+        found = real(*args, **kwargs)
+        if not interleaved:  # run-2's call: run-3's whole gate runs before run-2 goes on
             interleaved.append(True)
             GateOperator().execute(third)
-        return decision
+        return found
 
-    monkeypatch.setattr(promotion, "decide", decide_while_run_3_promotes)
+    monkeypatch.setattr(promotion, overtaken_in, while_run_3_promotes)
     second = _context(params, "run-2", evaluation(brown=2.04), **form)
     with pytest.raises(GateFailed) as err:
         GateOperator().execute(second)
@@ -516,7 +519,7 @@ def test_of_two_gates_deciding_at_once_the_second_to_record_promotes_nothing(
         assert f"FAILED: slipway-demo not promoted: {escape(gate.error)}</p>" in page
         assert "promoted" not in {link.role for link in store.run_graph("run-2").steps[0].outputs}
 
-    monkeypatch.setattr(promotion, "decide", real_decide)
+    monkeypatch.setattr(promotion, overtaken_in, real)
     from airflow.sdk.exceptions import AirflowFailException
 
     # Cleared: judged against run-3's 1.5, 2.04 is a regression of 0.54.
