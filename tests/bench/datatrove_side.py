@@ -94,6 +94,20 @@ def dedup_key(doc) -> str:
     return " ".join(_WORD.findall(doc.text.lower()))
 
 
+def lowercased(*, punctuation_to_spaces: bool) -> TextNormConfig:
+    """DataTrove's text normalization cut down to Slipway's: lowercase, whitespace runs as one
+    space, and punctuation to spaces or kept; no digit, diacritic, weekday or month rewriting."""
+    return TextNormConfig(
+        lowercase=True,
+        norm_whitespace=True,
+        remove_punctuation=punctuation_to_spaces,
+        norm_unicode_diacritics=False,
+        norm_numbers=False,
+        norm_weekdays=False,
+        norm_monthnames=False,
+    )
+
+
 def reader(folder: Path) -> JsonlReader:
     return JsonlReader(str(folder), glob_pattern="*.jsonl.gz", add_file_path=False)
 
@@ -205,16 +219,8 @@ def exact_lines(args: argparse.Namespace) -> dict[str, float]:
         # Not ours' rule: DataTrove compares every line, and keeps a run of consecutive
         # repeated lines when the run's first line is shorter (ours never compares such a line).
         min_words_to_remove_span=args.min_line_words,
-        # Ours' normalization: lowercase, punctuation to spaces, runs of spaces as one.
-        norm_config=TextNormConfig(
-            lowercase=True,
-            norm_whitespace=True,
-            remove_punctuation=True,
-            norm_unicode_diacritics=False,
-            norm_numbers=False,
-            norm_weekdays=False,
-            norm_monthnames=False,
-        ),
+        # Ours' key text: lowercase, punctuation to spaces, runs of spaces as one.
+        norm_config=lowercased(punctuation_to_spaces=True),
         hash_config=HashConfig(precision=64, hash_fc="xxhash"),
     )
     line_sigs, line_dups = args.work / "line_sigs", args.work / "line_dups"
@@ -265,13 +271,7 @@ def minhash(args: argparse.Namespace) -> dict[str, float]:
         hashes_per_bucket=args.rows,
         seed=1,
         # Words as Slipway's: lowercase only (no punctuation, digit or diacritic rewriting).
-        norm_config=TextNormConfig(
-            lowercase=True,
-            norm_whitespace=True,
-            remove_punctuation=False,
-            norm_unicode_diacritics=False,
-            norm_numbers=False,
-        ),
+        norm_config=lowercased(punctuation_to_spaces=False),
         hash_config=HashConfig(precision=64, hash_fc="xxhash"),
     )
     sigs, buckets, clusters = (args.work / d for d in ("sigs", "buckets", "clusters"))
