@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -162,6 +163,17 @@ def document_key(doc: Document) -> DocKey:
     return (doc["id"], xxhash.xxh3_64_hexdigest(doc["text"].encode("utf-8", "surrogatepass")))
 
 
+def paragraph_digests(text: str, config: ExactDedupConfig) -> list[tuple[bytes, int, int]]:
+    """(128-bit hash of the normalized paragraph, start, end) for each paragraph worth
+    comparing: one with at least ``min_paragraph_words`` words."""
+    spans = unit_spans(text, config.paragraph_unit)
+    return [
+        (xxhash.xxh3_128_digest(normalized), start, end)
+        for (start, end), normalized in zip(spans, span_dedup_keys(text, spans), strict=True)
+        if normalized and normalized.count(b" ") + 1 >= config.min_paragraph_words
+    ]
+
+
 def paragraph_occurrences(doc: Document, config: ExactDedupConfig) -> Iterator[Any]:
     """(paragraph hash, (doc key, start, end)) for each paragraph worth comparing.
 
@@ -169,22 +181,17 @@ def paragraph_occurrences(doc: Document, config: ExactDedupConfig) -> Iterator[A
     ``paragraph_scan_errors``): dropping it here would lose it from the kept side.
     """
     try:
-        found = []
         key = document_key(doc)
-        text = doc["text"]
-        spans = unit_spans(text, config.paragraph_unit)
-        for (start, end), normalized in zip(spans, span_dedup_keys(text, spans), strict=True):
-            if normalized and normalized.count(b" ") + 1 >= config.min_paragraph_words:
-                digest = xxhash.xxh3_128_hexdigest(normalized)
-                found.append((digest, (key, start, end)))
+        found = paragraph_digests(doc["text"], config)
     except Exception:  # one bad record must never take the pipeline down
         log.exception("paragraph scan failed for %r", doc.get("id"))
         yield pvalue.TaggedOutput(ERRORS, 1)
         return
-    yield from found
+    for digest, start, end in found:
+        yield (digest, (key, start, end))
 
 
-def repeated_spans(item: tuple[str, Iterable[Any]]) -> Iterator[Any]:
+def repeated_spans(item: tuple[bytes, Iterable[Any]]) -> Iterator[Any]:
     """One paragraph hash's occurrences -> (doc key, span) for every occurrence outside the
     owner (the smallest document key), and a tagged ``SHARED`` count when several documents
     have it.
@@ -321,7 +328,7 @@ def _paragraph_totals(
 ) -> list[Any]:
     """Manifest totals of the paragraph level (for ``extra_totals``): repeated paragraphs,
     documents with spans, documents whose paragraphs could not be scanned, and the characters
-    of the spans, removed or only marked. All but ``errors`` are sums of partial counts."""
+    of the spans, removed or only marked: each a sum of partial counts."""
     chars_name = (
         "duplicate_chars_removed"
         if config.remove_duplicate_paragraphs
@@ -330,7 +337,7 @@ def _paragraph_totals(
     return [
         ("duplicate_paragraphs", "sum", shared),
         ("docs_with_duplicate_spans", "sum", span_docs),
-        ("paragraph_scan_errors", "count", errors),
+        ("paragraph_scan_errors", "sum", errors),
         (chars_name, "sum", chars),
     ]
 
@@ -365,14 +372,52 @@ def _extra(pipeline: beam.Pipeline, totals: list[Any]) -> beam.PCollection:
 
 # --- the shard path: id-sharded inputs, no shuffle of documents -------------------------------
 #
-# Three reads of each input shard, one worker per shard; only keys, decisions and spans move:
-# 1. ``KeyShard``: (text hash, (id, content hash)) per document -> grouped by text hash ->
-#    ``document_decisions``: what happens to each member of a group of several;
-# 2. ``ParagraphShard``: the paragraphs of the documents kept at 1, as one part per paragraph
-#    partition -> ``partition_spans``: each repeated paragraph's spans outside its owner;
-# 3. ``AttachShard``: each document with its decision and spans -> the output shard, streamed.
+# Two reads of each input shard, one worker per shard; only keys, decisions and spans move:
+# 1. ``KeyShard``: (text hash, (id, content hash, text key)) per document -> grouped by text
+#    hash -> ``document_decisions``: what happens to each member of a group of several, and
+#    the text keys of the members dropped. The same read scans every document's paragraphs,
+#    as one part per paragraph partition; ``shard_parts`` takes the dropped members'
+#    occurrences out of the shard's parts (they must neither own a paragraph nor share one)
+#    -> ``partition_spans``: each repeated paragraph's spans outside its owner;
+# 2. ``AttachShard``: each document with its decision and spans -> the output shard, streamed.
 
 Decision = tuple[str, bool]  # (canonical id, this member is the canonical one)
+EXCLUDED = "excluded"  # (shard, doc key) of a document dropped at the document level
+PARTS = "parts"  # (shard, (partition, packed part)): see ``PartBuilder``
+UNSCANNED = "unscanned"  # (shard, (id, content hash)) of a document whose paragraphs failed
+# One occurrence in a packed part: paragraph hash, document (its place in the part's keys),
+# start, end. Offsets are 32-bit: a longer text is not scanned (counted as a scan error).
+_ENTRY = struct.Struct("<16sIII")
+_MAX_OFFSET = 2**32 - 1
+Part = tuple[list[DocKey], bytes]
+
+
+class PartBuilder:
+    """One paragraph partition's occurrences from one shard, packed: each document's key
+    once, then an ``_ENTRY`` per occurrence. The parts are shuffled twice (to the shard's
+    decisions, then to their partition), and a line-level run finds ~560k occurrences on the
+    bench corpus: as tuples, coding them cost more than reading the corpus again."""
+
+    __slots__ = ("data", "keys")
+
+    def __init__(self) -> None:
+        self.keys: list[DocKey] = []
+        self.data = bytearray()
+
+    def add(self, key: DocKey) -> int:
+        """A new document's place among the keys."""
+        self.keys.append(key)
+        return len(self.keys) - 1
+
+    def part(self) -> Part:
+        return self.keys, bytes(self.data)
+
+
+def part_occurrences(part: Part) -> Iterator[tuple[bytes, DocKey, int, int]]:
+    """(digest, doc key, start, end) for each occurrence of a packed part."""
+    keys = [tuple(key) for key in part[0]]  # coders may hand a tuple back as a list
+    for digest, slot, start, end in _ENTRY.iter_unpack(part[1]):
+        yield digest, keys[slot], start, end
 
 
 def paragraph_partitions(num_shards: int) -> int:
@@ -381,44 +426,93 @@ def paragraph_partitions(num_shards: int) -> int:
 
 
 class KeyShard(beam.DoFn):
-    """(index, files) -> (text hash, (id, content hash)) per document when documents are
-    deduplicated; tagged reading letters (``INPUT_DEAD``), records read (``RECORDS_IN``),
-    processing letters (``DEAD``) and, for each of those, a ``FAILED`` decision so that the
-    later passes skip the document instead of keeping it too."""
+    """(index, files) -> (text hash, (id, content hash, text hash of ``document_key``)) per
+    document when documents are deduplicated; tagged reading letters (``INPUT_DEAD``), records
+    read (``RECORDS_IN``), processing letters (``DEAD``) and, for each of those, a ``FAILED``
+    decision so that the later pass skips the document instead of keeping it too.
+
+    With paragraphs deduplicated, also every hashed document's paragraph occurrences, as one
+    packed ``PARTS`` element per paragraph partition, and ``UNSCANNED`` for a document whose
+    scan failed. They are scanned before their fate is known: ``shard_parts`` applies it.
+    """
 
     def __init__(self, config: ExactDedupConfig, num_shards: int) -> None:
         self.config = config
         self.num_shards = num_shards
+        self.partitions = paragraph_partitions(num_shards)
 
     def process(self, item: tuple[int, list[str]]) -> Iterator[Any]:
         index, paths = item
         documents = ShardDocuments(STAGE, index, paths, self.num_shards)
+        parts: dict[int, PartBuilder] = {}
         for doc in documents:
             yield from documents.take_letters()
-            if not self.config.dedup_documents:
-                continue
-            try:
-                yield (text_hash(doc["text"]), document_rank(doc))
-            except Exception as err:  # one bad record must never take the pipeline down
-                yield _processing_error(doc, err)
-                yield pvalue.TaggedOutput(FAILED, (index, (doc["id"], None, None)))
+            key = content = None
+            if self.config.dedup_documents:
+                try:
+                    digest = text_hash(doc["text"])
+                    _, content = document_rank(doc)
+                    if self.config.dedup_paragraphs:
+                        key = document_key(doc)
+                except Exception as err:  # one bad record must never take the pipeline down
+                    yield _processing_error(doc, err)
+                    yield pvalue.TaggedOutput(FAILED, (index, (doc["id"], None, None)))
+                    continue
+                rank = (doc["id"], content)
+                yield (digest, rank if key is None else (*rank, key[1]))
+            if self.config.dedup_paragraphs and not self._scan(doc, key, parts):
+                # Counted if the document is kept (``shard_parts``), which it is unmarked.
+                yield pvalue.TaggedOutput(UNSCANNED, (index, (doc["id"], content)))
         yield from documents.take_letters()
         yield pvalue.TaggedOutput(RECORDS_IN, documents.records)
+        for partition, builder in sorted(parts.items()):
+            yield pvalue.TaggedOutput(PARTS, (index, (partition, builder.part())))
+
+    def _scan(self, doc: Document, key: DocKey | None, parts: dict[int, PartBuilder]) -> bool:
+        """Add the document's paragraphs to the parts; False if it could not be scanned."""
+        try:
+            key = key or document_key(doc)
+            if len(doc["text"]) > _MAX_OFFSET:
+                raise ValueError(f"text of {len(doc['text'])} characters: offsets are 32-bit")
+            found = paragraph_digests(doc["text"], self.config)
+        except Exception:  # one bad record must never take the pipeline down
+            log.exception("paragraph scan failed for %r", doc.get("id"))
+            return False
+        slots: dict[int, int] = {}  # partition -> this document's place in its keys
+        for digest, start, end in found:
+            partition = int.from_bytes(digest[:4], "little") % self.partitions
+            builder = parts.get(partition)
+            if builder is None:
+                builder = parts[partition] = PartBuilder()
+            slot = slots.get(partition)
+            if slot is None:
+                slot = slots[partition] = builder.add(key)
+            builder.data += _ENTRY.pack(digest, slot, start, end)
+        return True
 
 
-def document_decisions(item: tuple[str, Iterable[Rank]], num_shards: int) -> Iterator[Any]:
-    """One text hash's ranks -> (shard, (id, content hash, decision)) for every member of a
-    group of several (the smallest rank is canonical, as in ``resolve_duplicates``), and a
-    tagged ``GROUPS`` count."""
+def document_decisions(item: tuple[str, Iterable[Any]], num_shards: int) -> Iterator[Any]:
+    """One text hash's ranks (id, content hash[, text key]) -> (shard, (id, content hash,
+    decision)) for every member of a group of several (the smallest rank is canonical, as in
+    ``resolve_duplicates``), and a tagged ``GROUPS`` count.
+
+    With text keys, also the ``EXCLUDED`` doc keys: those of the members dropped, less the
+    canonical's (a member differing from it only in metadata has its text, so its key).
+    """
     _, ranks = item
     members = [tuple(rank) for rank in ranks]
     if len(members) < 2:
         return
     yield pvalue.TaggedOutput(GROUPS, 1)
-    canonical = min(members)
-    for doc_id, content in sorted(set(members)):
-        decision = (canonical[0], (doc_id, content) == canonical)
+    canonical = min(members)  # members equal in (id, content) are one record: same text key
+    for member in sorted(set(members)):
+        doc_id, content = member[:2]
+        decision = (canonical[0], member[:2] == canonical[:2])
         yield (stable_shard(doc_id, num_shards), (doc_id, content, decision))
+    if len(canonical) > 2:
+        dropped = {(member[0], member[2]) for member in members} - {(canonical[0], canonical[2])}
+        for key in sorted(dropped):
+            yield pvalue.TaggedOutput(EXCLUDED, (stable_shard(key[0], num_shards), key))
 
 
 class _DocumentVerdicts:
@@ -451,6 +545,12 @@ class _DocumentVerdicts:
             return KEEP
         return _duplicate_letter(doc, canonical)
 
+    def dropped(self, rank: Rank) -> bool:
+        """Whether the member with this rank is dropped as a copy of another record (an exact
+        copy of the kept record has its rank: not dropped here, so the caller counts it once)."""
+        decision = self.by_id.get(rank[0], {}).get(rank[1])
+        return decision is not None and not decision[1]
+
 
 # Compared with ==, never `is`: run as __main__, the DoFns are pickled with copies of these.
 KEEP, SKIP = "keep", "skip"
@@ -465,35 +565,33 @@ def _hash_fails(doc: Document) -> bool:
     return False
 
 
-class ParagraphShard(beam.DoFn):
-    """(index, {"paths", "decisions"}) -> the kept documents' paragraph occurrences, as one
-    part (a list of (digest, doc key, start, end)) per paragraph partition; tagged ``ERRORS``
-    for documents not scanned."""
+def shard_parts(item: tuple[int, dict[str, list[Any]]], config: ExactDedupConfig) -> Iterator[Any]:
+    """One shard's paragraph parts, decisions and excluded doc keys -> (partition, part) with
+    the occurrences of documents dropped at the document level taken out, and a tagged
+    ``ERRORS`` count of the kept documents whose paragraphs could not be scanned.
 
-    def __init__(self, config: ExactDedupConfig, num_shards: int) -> None:
-        self.config = config
-        self.num_shards = num_shards
-        self.partitions = paragraph_partitions(num_shards)
-
-    def process(self, item: tuple[int, dict[str, list[Any]]]) -> Iterator[Any]:
-        index, grouped = item
-        (paths,) = grouped["paths"]
+    The occurrences left are those of the kept documents, except that an exact copy of a
+    kept record (one key) repeats them: that changes no owner, and spans are sets.
+    """
+    _, grouped = item
+    excluded = {tuple(key) for key in grouped[EXCLUDED]}
+    unscanned = [tuple(rank) for rank in grouped[UNSCANNED]]
+    if config.dedup_documents:  # a kept record is counted once, as it is scanned once
         verdicts = _DocumentVerdicts(grouped["decisions"])
-        parts: dict[int, list[Any]] = {}
-        for doc in ShardDocuments(STAGE, index, paths, self.num_shards):
-            if verdicts.verdict(doc) != KEEP:
-                continue
-            for out in paragraph_occurrences(doc, self.config):
-                if isinstance(out, pvalue.TaggedOutput):
-                    yield out
-                    continue
-                digest, (key, start, end) = out
-                partition = int(digest[:8], 16) % self.partitions
-                parts.setdefault(partition, []).append((digest, key, start, end))
-        yield from sorted(parts.items())
+        unscanned = [rank for rank in set(unscanned) if not verdicts.dropped(rank)]
+    if unscanned:
+        yield pvalue.TaggedOutput(ERRORS, len(unscanned))
+    for partition, (keys, data) in grouped[PARTS]:
+        gone = {slot for slot, key in enumerate(keys) if tuple(key) in excluded}
+        if gone:
+            data = b"".join(
+                _ENTRY.pack(*entry) for entry in _ENTRY.iter_unpack(data) if entry[1] not in gone
+            )
+        if data:
+            yield (partition, (keys, data))
 
 
-def partition_spans(item: tuple[int, Iterable[list[Any]]], num_shards: int) -> Iterator[Any]:
+def partition_spans(item: tuple[int, Iterable[Part]], num_shards: int) -> Iterator[Any]:
     """One paragraph partition -> (shard, [(doc key, span), ...]) per output shard: every
     occurrence of a repeated paragraph outside its owner (the smallest document key), as
     ``repeated_spans`` does for one paragraph; a tagged ``SHARED`` count of the partition's
@@ -503,9 +601,9 @@ def partition_spans(item: tuple[int, Iterable[list[Any]]], num_shards: int) -> I
     bench corpus, and every element costs each transform it passes (the join, the totals).
     """
     _, parts = item
-    by_digest: dict[str, list[tuple[DocKey, int, int]]] = {}
+    by_digest: dict[bytes, list[tuple[DocKey, int, int]]] = {}
     for part in parts:
-        for digest, key, start, end in part:
+        for digest, key, start, end in part_occurrences(part):
             by_digest.setdefault(digest, []).append((key, start, end))
     by_shard: dict[int, list[tuple[DocKey, Span]]] = {}
     shared = 0
@@ -588,28 +686,35 @@ class ExactDedup:
         if shards is None:
             return DocumentShards(build).expand(pipeline, stage, config, inputs, output, num_shards)
         keyed = shards | "KeyShards" >> beam.ParDo(KeyShard(config, num_shards)).with_outputs(
-            DEAD, FAILED, INPUT_DEAD, RECORDS_IN, main="keys"
+            DEAD, FAILED, INPUT_DEAD, RECORDS_IN, PARTS, UNSCANNED, main="keys"
         )
         totals: list[Any] = []
         decisions = keyed[FAILED]
+        excluded = pipeline | "NoneExcluded" >> beam.Create([], reshuffle=False)
         if config.dedup_documents:
             decided = (
                 keyed["keys"]
                 | "GroupByTextHash" >> spill.GroupByKey()
                 | "Decide"
                 >> beam.FlatMap(document_decisions, num_shards).with_outputs(
-                    GROUPS, main="decisions"
+                    GROUPS, EXCLUDED, main="decisions"
                 )
             )
             decisions = (decided["decisions"], keyed[FAILED]) | "AllDecisions" >> beam.Flatten()
+            excluded = decided[EXCLUDED]
             totals.append(("exact_duplicate_groups", "count", decided[GROUPS]))
         spans = pipeline | "NoSpans" >> beam.Create([], reshuffle=False)
         if config.dedup_paragraphs:
             scanned = (
-                {"paths": shards, "decisions": decisions}
+                {
+                    PARTS: keyed[PARTS],
+                    UNSCANNED: keyed[UNSCANNED],
+                    "decisions": decisions,
+                    EXCLUDED: excluded,
+                }
                 | "JoinDecisions" >> spill.CoGroupByKey()
-                | "Paragraphs"
-                >> beam.ParDo(ParagraphShard(config, num_shards)).with_outputs(ERRORS, main="parts")
+                | "KeptParts"
+                >> beam.FlatMap(shard_parts, config).with_outputs(ERRORS, main="parts")
             )
             found = (
                 scanned["parts"]

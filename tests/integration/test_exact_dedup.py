@@ -175,6 +175,9 @@ def test_the_shard_path_writes_what_the_shuffle_path_writes(config, tmp_path, di
         *DOCS,
         _doc("a", P1),  # an exact copy of a record: one is kept
         _doc("a", P1 + " Again."),  # another record with the same id
+        # d's text under d's id, other metadata: one of the two is dropped, and the other
+        # still owns P2 (the paragraph scan must not lose it with the dropped one)
+        {**_doc("d", DOCS[3]["text"]), "metadata": {"v": 2}},
         _doc("g", f"G is new.\n\n{P3}\n\n{P2}"),
     ]
     sharded = write_id_sharded_output(tmp_path / "in", docs, 3, {1: ["{broken\n"]})
