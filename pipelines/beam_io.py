@@ -103,9 +103,10 @@ def hf_hub_name(name: str) -> bool:
 
 def glob_files(spec: str) -> list[str]:
     """The files a glob or file input names, sorted. A wildcard's matches inside a
-    ``dead_letter/`` folder are left out, as a folder input leaves them out (dead letters are
-    not documents: read as such they would all be dropped as invalid); a file named without a
-    wildcard is read as named."""
+    ``dead_letter/`` folder and those named ``manifest.json`` (a stage output's) are left out,
+    as a folder input leaves them out: neither is documents, and read as such every dead
+    letter, or every line of the manifest, would be dropped as invalid. A file named without
+    a wildcard is read as named."""
     files = storage.expand_glob(spec)
     if not storage.is_glob(spec):
         return files
@@ -119,19 +120,19 @@ def glob_files(spec: str) -> list[str]:
     base = storage.strip_protocol("/".join(fixed) or ".").rstrip("/")
     kept = []
     for path in files:
-        below = storage.strip_protocol(path)[len(base) :].split("/")[:-1]
-        if DEAD_LETTER_FOLDER not in below:
+        *below, name = storage.strip_protocol(path)[len(base) :].split("/")
+        if DEAD_LETTER_FOLDER not in below and name != MANIFEST_NAME:
             kept.append(path)
     return kept
 
 
 def no_files_message(spec: str) -> str:
-    """Why an input names nothing: no match at all, or (a glob) matches in dead-letter folders
-    only."""
+    """Why an input names nothing: no match at all, or (a glob) matches of dead letters and
+    stage manifests only."""
     if storage.is_glob(spec) and storage.expand_glob(spec):
         return (
-            f"input {spec!r} matches no files outside {DEAD_LETTER_FOLDER}/ folders"
-            " (dead letters are not documents)"
+            f"input {spec!r} matches only files in {DEAD_LETTER_FOLDER}/ folders or named"
+            f" {MANIFEST_NAME} (dead letters and stage manifests are not documents)"
         )
     return f"input {spec!r} matches no files"
 

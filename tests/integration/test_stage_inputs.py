@@ -54,6 +54,15 @@ def test_a_glob_over_a_stage_output_does_not_read_its_dead_letters(ingested, tmp
     assert (run.manifest.records_in, run.manifest.records_out, run.manifest.dropped) == (2, 2, {})
 
 
+def test_a_glob_over_a_whole_stage_output_reads_its_documents_only(ingested, tmp_path):
+    """``out/ingest/**`` also matches the output's manifest.json, whose lines are no
+    documents: left out as the dead letters are (named without a wildcard, it is read)."""
+    run = _ingest([str(ingested / "**")], tmp_path / "again")
+    assert (run.manifest.records_in, run.manifest.records_out, run.manifest.dropped) == (2, 2, {})
+    named = _ingest([str(ingested / "manifest.json")], tmp_path / "named")
+    assert named.manifest.records_out == 0 and named.manifest.records_in > 0
+
+
 def test_a_glob_matching_only_dead_letters_is_refused_before_the_output_is_cleared(
     ingested, tmp_path
 ):
@@ -61,7 +70,7 @@ def test_a_glob_matching_only_dead_letters_is_refused_before_the_output_is_clear
     out.mkdir()
     (out / "last-run.txt").write_text("kept")
     pattern = str(ingested / "dead_lette?" / "*.jsonl.gz")  # a wildcard reaches them
-    with pytest.raises(StageError, match="matches no files outside dead_letter/") as refused:
+    with pytest.raises(StageError, match="matches only files in dead_letter/ folders") as refused:
         _ingest([pattern], out)
     assert repr(pattern) in str(refused.value)
     assert (out / "last-run.txt").read_text() == "kept"
