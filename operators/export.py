@@ -31,6 +31,7 @@ from operators.step_lineage import (
     trained_model_input,
 )
 from operators.steps import Step, StepResult, StepSpec, join, output_path
+from trainer.export_files import PROVENANCE
 from trainer.rundir import last_checkpoint
 from trainer.rundir import read_json as _read_json
 
@@ -99,7 +100,7 @@ class ExportOperator(StepLineageMixin, BaseOperator):
         status = run_on_one_slice(
             self._jobset, spec, params, kind="export", module="trainer.export", args=args
         )
-        provenance = _read_json(join(hf_dir, "slipway_export.json"))
+        provenance = _read_json(join(hf_dir, PROVENANCE))
         if not status.succeeded or provenance is None:
             raise TrainingFailed(
                 f"export JobSet {status.terminal_state} ({status.reason}); "

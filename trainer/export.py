@@ -63,6 +63,7 @@ import numpy as np
 
 from trainer import rundir
 from trainer.config import ConfigError, TrainConfig, load_config, to_dict
+from trainer.export_files import PROVENANCE, SINGLE_WEIGHTS, WEIGHT_SHARD, WEIGHTS_INDEX
 from trainer.hf_tokenizer import (
     SentencePieceModel,
     UnexportableTokenizer,
@@ -71,7 +72,6 @@ from trainer.hf_tokenizer import (
     tokenizer_files,
 )
 
-PROVENANCE = "slipway_export.json"  # written last: its presence marks a finished export
 EMBED_ARRAY = "params.embed"  # the embedding's leaf in a checkpoint (trainer/checkpoint.py)
 
 
@@ -179,9 +179,6 @@ WEIGHT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # huggingface_hub's MAX_SHARD_SIZE, the size of most Hub checkpoints' shards (transformers 5's
 # save_pretrained defaults to 50GB: files that large are slow to move and to resume)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-SINGLE_WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"  # beside model-0000k-of-0000n.safetensors
-_SHARD = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 _SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([KMGT]I?B|B)?", re.IGNORECASE)
 _UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -425,7 +422,7 @@ def write_files(out: str, files: Iterable[tuple[str, bytes]]) -> None:
 
 def _is_export_owned(name: str) -> bool:
     """The files whose names differ from one export to the next (and the provenance)."""
-    return name in (PROVENANCE, SINGLE_WEIGHTS, WEIGHTS_INDEX) or bool(_SHARD.fullmatch(name))
+    return name in (PROVENANCE, SINGLE_WEIGHTS, WEIGHTS_INDEX) or bool(WEIGHT_SHARD.fullmatch(name))
 
 
 def load_source_params(source: Source) -> Any:

@@ -75,9 +75,10 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {{"jax", "apache_beam", "tensorstore",
     "pipelines", "sentencepiece", "equinox", "optax"}})
-# Of the trainer, only its JAX-free contract: the preset table, the run directory's layout and
-# the benchmark task names (the form's eval_tasks and gate_min_accuracy list them).
-light = {{"trainer.shapes", "trainer.rundir", "trainer.tasks"}}
+# Of the trainer, only its JAX-free contract: the preset table, the run directory's layout,
+# the benchmark task names (the form's eval_tasks and gate_min_accuracy list them) and the
+# names of an export folder's files.
+light = {{"trainer.shapes", "trainer.rundir", "trainer.tasks", "trainer.export_files"}}
 heavy += sorted(m for m in sys.modules if m.startswith("trainer.") and m not in light)
 print(json.dumps({{"heavy": heavy,
     "backend": module.dag.params["backend"]}}))

@@ -73,7 +73,7 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {{"jax", "apache_beam", "tensorstore",
     "pipelines", "sentencepiece", "equinox", "optax", "scipy"}})
-light = {{"trainer.shapes", "trainer.rundir", "trainer.tasks"}}
+light = {{"trainer.shapes", "trainer.rundir", "trainer.tasks", "trainer.export_files"}}
 heavy += sorted(m for m in sys.modules if m.startswith("trainer.") and m not in light)
 print(json.dumps(heavy))
 """

@@ -39,6 +39,7 @@ OPERATORS_MAY_USE = {
         "trainer.config",
         "trainer.shapes",
         "trainer.rundir",
+        "trainer.export_files",  # the names of an export folder's files (constants)
         "trainer.scaling",
         "trainer.recipes",
         "trainer.fitting",
