@@ -190,7 +190,7 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     text = " ".join(" ".join(html.text).split())
     assert "Failed at train" in text and "preempted at step 12" in text
     assert "3 steps are cache hits (ingest, quality, tokenize)" in text
-    assert "2 run again (train, evaluate)" in text
+    assert "2 run again (train, evaluate), then gate and record." in text
     assert "Training resumes from its checkpoint at step 10" in text
     # a backfill reprocesses scheduled runs only: this one, triggered by hand, is not told to
     assert "backfill" not in text
