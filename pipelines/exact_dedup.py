@@ -67,6 +67,7 @@ SPAN_DOCS = "span_docs"  # documents with spans (summed; the shard path's count 
 FAILED = "failed"  # a document whose text hash failed (the shard path's later passes skip it)
 
 Span = tuple[int, int]
+MAX_OFFSET = 2**32 - 1  # a span's end: a text longer than that is not scanned for paragraphs
 # A document's place in the choice of canonical copy: its id, then its content, so that even
 # two records with one id resolve the same way on every runner.
 Rank = tuple[str, str]
@@ -165,7 +166,10 @@ def document_key(doc: Document) -> DocKey:
 
 def paragraph_digests(text: str, config: ExactDedupConfig) -> list[tuple[bytes, int, int]]:
     """(128-bit hash of the normalized paragraph, start, end) for each paragraph worth
-    comparing: one with at least ``min_paragraph_words`` words."""
+    comparing: one with at least ``min_paragraph_words`` words. Offsets are 32-bit (the shard
+    path packs them): a longer text is refused, on both paths alike."""
+    if len(text) > MAX_OFFSET:
+        raise ValueError(f"text of {len(text)} characters: span offsets are 32-bit")
     spans = unit_spans(text, config.paragraph_unit)
     return [
         (xxhash.xxh3_128_digest(normalized), start, end)
@@ -372,13 +376,14 @@ def _extra(pipeline: beam.Pipeline, totals: list[Any]) -> beam.PCollection:
 
 # --- the shard path: id-sharded inputs, no shuffle of documents -------------------------------
 #
-# Two reads of each input shard, one worker per shard; only keys, decisions and spans move:
-# 1. ``KeyShard``: (text hash, (id, content hash, text key)) per document -> grouped by text
-#    hash -> ``document_decisions``: what happens to each member of a group of several, and
-#    the text keys of the members dropped. The same read scans every document's paragraphs,
-#    as one part per paragraph partition; ``shard_parts`` takes the dropped members'
-#    occurrences out of the shard's parts (they must neither own a paragraph nor share one)
-#    -> ``partition_spans``: each repeated paragraph's spans outside its owner;
+# Two reads of each input shard, one worker per shard; only keys, decisions, paragraph
+# occurrences and spans move:
+# 1. ``KeyShard``: (text hash, (id, content hash, doc key's text hash)) per document ->
+#    grouped by text hash -> ``document_decisions``: what happens to each member of a group of
+#    several, and the doc keys of the members dropped. The same read scans every document's
+#    paragraphs, as one part per paragraph partition; ``shard_parts`` takes the dropped
+#    members' occurrences out of the shard's parts (they must neither own a paragraph nor
+#    share one) -> ``partition_spans``: each repeated paragraph's spans outside its owner;
 # 2. ``AttachShard``: each document with its decision and spans -> the output shard, streamed.
 
 Decision = tuple[str, bool]  # (canonical id, this member is the canonical one)
@@ -386,9 +391,8 @@ EXCLUDED = "excluded"  # (shard, doc key) of a document dropped at the document 
 PARTS = "parts"  # (shard, (partition, packed part)): see ``PartBuilder``
 UNSCANNED = "unscanned"  # (shard, (id, content hash)) of a document whose paragraphs failed
 # One occurrence in a packed part: paragraph hash, document (its place in the part's keys),
-# start, end. Offsets are 32-bit: a longer text is not scanned (counted as a scan error).
+# start, end (``MAX_OFFSET`` at most: ``paragraph_digests`` refuses longer texts).
 _ENTRY = struct.Struct("<16sIII")
-_MAX_OFFSET = 2**32 - 1
 Part = tuple[list[DocKey], bytes]
 
 
@@ -410,6 +414,7 @@ class PartBuilder:
         return len(self.keys) - 1
 
     def part(self) -> Part:
+        """What travels: (keys, packed entries)."""
         return self.keys, bytes(self.data)
 
 
@@ -426,7 +431,7 @@ def paragraph_partitions(num_shards: int) -> int:
 
 
 class KeyShard(beam.DoFn):
-    """(index, files) -> (text hash, (id, content hash, text hash of ``document_key``)) per
+    """(index, files) -> (text hash, (id, content hash, the ``document_key``'s text hash)) per
     document when documents are deduplicated; tagged reading letters (``INPUT_DEAD``), records
     read (``RECORDS_IN``), processing letters (``DEAD``) and, for each of those, a ``FAILED``
     decision so that the later pass skips the document instead of keeping it too.
@@ -472,8 +477,6 @@ class KeyShard(beam.DoFn):
         """Add the document's paragraphs to the parts; False if it could not be scanned."""
         try:
             key = key or document_key(doc)
-            if len(doc["text"]) > _MAX_OFFSET:
-                raise ValueError(f"text of {len(doc['text'])} characters: offsets are 32-bit")
             found = paragraph_digests(doc["text"], self.config)
         except Exception:  # one bad record must never take the pipeline down
             log.exception("paragraph scan failed for %r", doc.get("id"))
@@ -492,19 +495,20 @@ class KeyShard(beam.DoFn):
 
 
 def document_decisions(item: tuple[str, Iterable[Any]], num_shards: int) -> Iterator[Any]:
-    """One text hash's ranks (id, content hash[, text key]) -> (shard, (id, content hash,
-    decision)) for every member of a group of several (the smallest rank is canonical, as in
-    ``resolve_duplicates``), and a tagged ``GROUPS`` count.
+    """One text hash's ranks (id, content hash[, doc key's text hash]) -> (shard, (id,
+    content hash, decision)) for every member of a group of several (the smallest rank is
+    canonical, as in ``resolve_duplicates``), and a tagged ``GROUPS`` count.
 
-    With text keys, also the ``EXCLUDED`` doc keys: those of the members dropped, less the
-    canonical's (a member differing from it only in metadata has its text, so its key).
+    With the doc keys' text hashes, also the ``EXCLUDED`` doc keys: those of the members
+    dropped, less the canonical's (a member differing from it only in metadata has its text,
+    so its key).
     """
     _, ranks = item
     members = [tuple(rank) for rank in ranks]
     if len(members) < 2:
         return
     yield pvalue.TaggedOutput(GROUPS, 1)
-    canonical = min(members)  # members equal in (id, content) are one record: same text key
+    canonical = min(members)  # members equal in (id, content) are one record: one doc key
     for member in sorted(set(members)):
         doc_id, content = member[:2]
         decision = (canonical[0], member[:2] == canonical[:2])
@@ -560,6 +564,7 @@ def _hash_fails(doc: Document) -> bool:
     try:
         text_hash(doc["text"])
         document_rank(doc)
+        document_key(doc)  # KeyShard computes it in the same try, with paragraphs on
     except Exception:
         return True
     return False
@@ -671,7 +676,11 @@ class AttachShard(beam.DoFn):
 @dataclasses.dataclass(frozen=True)
 class ExactDedup:
     """The stage's output strategy: the shard path for id-sharded stage outputs, else the
-    harness's path (``build``). Both write the same bytes."""
+    harness's path (``build``). Both write the same bytes.
+
+    On Dataflow the paragraph occurrences cross two shuffles (to their shard's decisions, then
+    to their partition) where a third read of the corpus would cross one: an occurrence is
+    28 bytes and its document's key, against the paragraph's text read and parsed again."""
 
     def expand(
         self,
@@ -690,7 +699,7 @@ class ExactDedup:
         )
         totals: list[Any] = []
         decisions = keyed[FAILED]
-        excluded = pipeline | "NoneExcluded" >> beam.Create([], reshuffle=False)
+        excluded = None
         if config.dedup_documents:
             decided = (
                 keyed["keys"]
@@ -710,7 +719,9 @@ class ExactDedup:
                     PARTS: keyed[PARTS],
                     UNSCANNED: keyed[UNSCANNED],
                     "decisions": decisions,
-                    EXCLUDED: excluded,
+                    EXCLUDED: excluded
+                    if excluded is not None
+                    else pipeline | "NoneExcluded" >> beam.Create([], reshuffle=False),
                 }
                 | "JoinDecisions" >> spill.CoGroupByKey()
                 | "KeptParts"

@@ -386,7 +386,7 @@ def _readme(source: Source, mcfg: Any, dtype: str) -> str:
         f"({dtype} safetensors) "
         "with its tokenizer (sentencepiece BPE, as `tokenizer.json` and `tokenizer.model`).\n\n"
         f"- checkpoint: `{source.checkpoint}` (step {source.step})\n"
-        f"- config sha256: `{config_sha256(cfg)}` (the trainer config, in `slipway_export.json`)\n"
+        f"- config sha256: `{config_sha256(cfg)}` (the trainer config, in `{PROVENANCE}`)\n"
         f"- tokenizer sha256: `{sha256(source.tokenizer_bytes)}`\n"
         f"- shape: {mcfg.num_layers} layers, hidden {mcfg.hidden_dim}, {mcfg.num_heads} query "
         f"heads over {mcfg.num_kv_heads} kv heads of {mcfg.head_dim}, MLP {mcfg.intermediate_dim}, "

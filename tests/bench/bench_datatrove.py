@@ -54,8 +54,8 @@ DataTrove's docs/s.
    kept document cut out). DataTrove = the exact dedup above, then its sentence dedup on lines
    (``SentDedupConfig(n_sentences=1, split_sentences=False)``, the same normalization: lowercase,
    punctuation to spaces; ``min_words_to_remove_span`` = ours' ``min_paragraph_words``; no
-   minimum document size), the sentence signatures taken from the exact filter's stream, so
-   that both sides read the input three times. What each cuts differs: DataTrove also cuts
+   minimum document size), the sentence signatures taken from the exact filter's stream (its
+   cheapest arrangement: it reads the input three times, ours twice). What each cuts differs: DataTrove also cuts
    lines repeated within one document (ours leaves them to the quality stage), and it
    compares every line, keeping a run of repeated lines only when the run's first line is
    short (ours never compares a short line). The documents with lines cut are counted on

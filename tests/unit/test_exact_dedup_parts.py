@@ -99,7 +99,7 @@ def test_decisions_exclude_the_dropped_members_keys_but_never_the_canonicals():
 
 
 def test_a_text_too_long_for_32_bit_offsets_is_reported_unscanned(tmp_path, monkeypatch):
-    monkeypatch.setattr(exact_dedup, "_MAX_OFFSET", 20)
+    monkeypatch.setattr(exact_dedup, "MAX_OFFSET", 20)
     docs = [
         {
             "id": "long",
