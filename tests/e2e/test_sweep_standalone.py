@@ -171,6 +171,7 @@ def _the_night_failed_at_its_cell(af, run_id: str, monkeypatch: pytest.MonkeyPat
     text = " ".join(page.text.split())
     assert f'Failed at <span id="failed-step">{failed_step}</span>' in text, text[:3000]
     assert "2 run again" in text and f"{left_out[0]['label']}</span> at step" in text
+    assert "), then check." in text  # the night's last task runs again after the steps
     return record, forecast, registered, failed_step
 
 
