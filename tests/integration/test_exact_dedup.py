@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -158,6 +159,27 @@ def test_multi_processing_run_is_byte_identical(marked, inputs, tmp_path, digest
     assert digest(out) == digest(again)
 
 
+def _mixed_corpus(seed: int, n: int) -> list[dict]:
+    """Documents drawn from a few shared paragraphs and lines, with the records that make the
+    shard path's choices differ from a plain reading: ids shared by several records, exact
+    copies, copies in other case or metadata, and short lines never compared."""
+    rng = random.Random(seed)
+    pool = [P1, P2, P3, P4, "Thanks,", "Call 555 0100 today", "See you at the meeting soon."]
+    docs: list[dict] = []
+    for i in range(n):
+        parts = [*rng.sample(pool, rng.randint(1, 3)), f"Mixed document {i} ends here alone."]
+        text = ("\n" if rng.random() < 0.3 else "\n\n").join(parts)
+        docs.append(_doc(f"m{rng.randint(0, n // 2):02d}", text))  # ids repeat
+        roll = rng.random()
+        if roll < 0.15:
+            docs.append(dict(docs[-1]))  # an exact copy
+        elif roll < 0.3:
+            docs.append(_doc(f"m{rng.randint(0, n):02d}", text.upper()))  # a copy, other case
+        elif roll < 0.4:
+            docs.append({**docs[-1], "metadata": {"copy": i}})  # a copy, other metadata
+    return docs
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -179,6 +201,7 @@ def test_the_shard_path_writes_what_the_shuffle_path_writes(config, tmp_path, di
         # still owns P2 (the paragraph scan must not lose it with the dropped one)
         {**_doc("d", DOCS[3]["text"]), "metadata": {"v": 2}},
         _doc("g", f"G is new.\n\n{P3}\n\n{P2}"),
+        *_mixed_corpus(seed=7, n=40),
     ]
     sharded = write_id_sharded_output(tmp_path / "in", docs, 3, {1: ["{broken\n"]})
     argv = ["--input", str(sharded), "--num_shards", "3", "--config", json.dumps(config)]
