@@ -252,8 +252,11 @@ def test_a_glob_leaves_out_dead_letter_folders_as_a_folder_input_does(tmp_path):
         assert [s.path for s in sources] == [
             str(tmp_path / "out/data/part-00000-of-00001.jsonl.gz")
         ], pattern
-    with pytest.raises(FileNotFoundError, match="outside dead_letter/ folders"):
+    with pytest.raises(FileNotFoundError, match="only files in dead_letter/ folders"):
         resolve_inputs([str(tmp_path / "out/dead_lette?/*.jsonl.gz")])
+    # nor is a stage's manifest (its lines are no documents)
+    with pytest.raises(FileNotFoundError, match=r"or named manifest\.json"):
+        resolve_inputs([str(tmp_path / "out/*.json")])
     # A dead_letter/ the glob names before its wildcards, or a file named without one, is
     # read as named (dead letters re-processed on purpose; a user's own folder of that name).
     named = str(tmp_path / "out/dead_letter/part-00000-of-00001.jsonl.gz")
