@@ -120,3 +120,20 @@ def test_a_text_too_long_for_32_bit_offsets_is_reported_unscanned(tmp_path, monk
     assert [key for _, (_, part) in parts for _, key, _, _ in part_occurrences(part)] == [
         ("short", exact_dedup.document_key(docs[1])[1])
     ]
+
+
+def test_records_sharing_an_id_are_told_apart_from_those_alone():
+    """Only records sharing an id need their whole record hashed to choose among them."""
+    docs = [{"id": i} for i in ("a", "b", "b", "c", "d", "d", "d", "e")]
+    shared = [(doc["id"], flag) for doc, flag in exact_dedup._with_shared_ids(docs)]
+    assert shared == [
+        ("a", False),
+        ("b", True),
+        ("b", True),
+        ("c", False),
+        ("d", True),
+        ("d", True),
+        ("d", True),
+        ("e", False),
+    ]
+    assert list(exact_dedup._with_shared_ids([])) == []
