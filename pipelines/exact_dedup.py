@@ -24,6 +24,7 @@ choice depends only on ids and content, so the output does not depend on the run
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import struct
 from collections.abc import Iterable, Iterator, Sequence
@@ -500,17 +501,11 @@ class KeyShard(beam.DoFn):
 
 def _with_shared_ids(documents: Iterable[Document]) -> Iterator[tuple[Document, bool]]:
     """Each document, and whether another record of the shard has its id: a shard is read in
-    id order, so those are its neighbours."""
-    previous: Document | None = None
-    shared = False
-    for doc in documents:
-        if previous is not None:
-            same = doc["id"] == previous["id"]
-            yield previous, shared or same
-            shared = same
-        previous = doc
-    if previous is not None:
-        yield previous, shared
+    id order, so those are its neighbours (a run of one id is held, never more)."""
+    for _, run in itertools.groupby(documents, key=lambda doc: doc["id"]):
+        records = list(run)
+        for doc in records:
+            yield doc, len(records) > 1
 
 
 def document_decisions(item: tuple[str, Iterable[Any]], num_shards: int) -> Iterator[Any]:
@@ -580,10 +575,13 @@ KEEP, SKIP = "keep", "skip"
 
 
 def _hash_fails(doc: Document) -> bool:
+    """Whether ``KeyShard`` failed on this record (and so made it a letter). Asked only where
+    the id has a FAILED member: the record failed itself, or its id is shared and KeyShard
+    hashed it whole, as here."""
     try:
         text_hash(doc["text"])
         document_rank(doc)
-        document_key(doc)  # KeyShard computes it in the same try, with paragraphs on
+        document_key(doc)
     except Exception:
         return True
     return False
@@ -606,7 +604,7 @@ def shard_parts(item: tuple[int, dict[str, list[Any]]], config: ExactDedupConfig
     if unscanned:
         yield pvalue.TaggedOutput(ERRORS, len(unscanned))
     for partition, (keys, data) in grouped[PARTS]:
-        gone = {slot for slot, key in enumerate(keys) if tuple(key) in excluded}
+        gone = {slot for slot, key in enumerate(keys) if tuple(key) in excluded} if excluded else ()
         if gone:
             data = b"".join(
                 _ENTRY.pack(*entry) for entry in _ENTRY.iter_unpack(data) if entry[1] not in gone
