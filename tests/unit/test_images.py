@@ -375,6 +375,23 @@ def test_the_platform_image_can_fetch_every_corpus_package():
     assert [n for n in without_client if PACKAGES[n].registry_path is None] == []
 
 
+@pytest.mark.parametrize("values", ["values.yaml", "values-production.yaml"])
+def test_the_platform_image_has_the_lineage_urls_database_driver(values):
+    """The chart's lineage URL names a SQLAlchemy driver (``postgresql+psycopg``): the
+    platform image must install its module, or every task's lineage write fails on GKE only."""
+    import yaml
+    from sqlalchemy.dialects import registry
+    from sqlalchemy.engine import make_url
+
+    url = yaml.safe_load((ROOT / "charts" / "slipway" / values).read_text())["lineage"]["url"]
+    dbapi = registry.load(make_url(url).drivername.replace("+", ".")).import_dbapi()
+    distributions = packages_distributions().get(dbapi.__name__.split(".")[0], [])
+    assert {canonical(d) for d in distributions} & declared_names(IMAGES["airflow"]), (
+        f"{values}: lineage.url's driver module {dbapi.__name__} comes from {distributions}, "
+        "which the slipway-airflow image does not declare"
+    )
+
+
 # -- build context -----------------------------------------------------------------------------
 
 

@@ -347,7 +347,7 @@ def test_scanner_finds_planted_secret(rule: str) -> None:
         "token: <your-token>",
         "secret: {{ .Values.secretName }}",
         "  secretKeyRef:\n    name: slipway-lineage-db\n    key: password",
-        "postgresql+psycopg2://slipway@10.20.0.3:5432/slipway_lineage?sslmode=require",
+        "postgresql+psycopg://slipway@10.20.0.3:5432/slipway_lineage?sslmode=require",
         "postgresql://airflow:${AIRFLOW_DB_PASSWORD}@10.20.0.3:5432/airflow",
         "passwordSecret:\n  name: slipway-lineage-db\n  key: password",
         "PGPASSWORD comes from a Secret; POST /auth/token gives a bearer token for /api/v2",
