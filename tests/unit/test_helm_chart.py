@@ -591,6 +591,17 @@ def test_explicit_google_service_account() -> None:
         ({"serviceAccounts": {"airflow": {"name": "Airflow"}}}, "/serviceAccounts/airflow/name"),
         ({"dataflow": {"location": "US"}}, "/dataflow/location"),
         ({"dataflow": {"maxNumWorkers": 0}}, "/dataflow/maxNumWorkers"),
+        ({"dataflow": {"experiments": ["disable_runner_v2"]}}, "/dataflow/experiments/0"),
+        ({"dataflow": {"experiments": ["shuffle_mode=service,x"]}}, "/dataflow/experiments/0"),
+        # The ConfigMap joins these lists with commas: a comma inside one would add an entry.
+        (
+            {"runPolicy": {"dataRoots": ["gs://platform-bucket/corpora,/"]}},
+            "/runPolicy/dataRoots/0",
+        ),
+        (
+            {"runPolicy": {"dataflowLocations": ["gs://platform-bucket/df,gs://x"]}},
+            "/runPolicy/dataflowLocations/0",
+        ),
         ({"networkPolicy": {"googleApisCidrs": ["storage.googleapis.com"]}}, "googleApisCidrs"),
         (
             {"kueue": {"enabled": True, "clusterQueue": {"queueingStrategy": "LIFO"}}},
@@ -978,6 +989,32 @@ def test_corpora_live_in_the_bucket(rendered: tuple[str, list[dict[str, Any]]]) 
 def _env_of(data: Mapping[str, str]) -> dict[str, str]:
     """The Airflow containers' environment from the ConfigMap (extraEnvFrom), nothing else."""
     return {k: v for k, v in data.items() if k.startswith("SLIPWAY_") or k in STANDARD_ENV}
+
+
+def test_dataflow_experiments_reach_every_job() -> None:
+    """The chart's dataflow.experiments become SLIPWAY_DATAFLOW_EXPERIMENTS, which every
+    Dataflow launch reads, after Runner v2 (none set: no key, Runner v2 alone)."""
+    from operators.dataflow import RUNNER_V2, dataflow_settings, platform_dataflow_settings
+
+    assert "SLIPWAY_DATAFLOW_EXPERIMENTS" not in config_of(render())
+    data = config_of(
+        render(
+            dataflow={
+                "experiments": ["enable_prime", "max_workflow_runtime_walltime_seconds=86400"]
+            }
+        )
+    )
+    platform = platform_dataflow_settings(_env_of(data))
+    assert platform["experiments"] == [
+        "enable_prime",
+        "max_workflow_runtime_walltime_seconds=86400",
+    ]
+    settings = dataflow_settings({}, platform)
+    assert settings.experiments == (
+        RUNNER_V2,
+        "enable_prime",
+        "max_workflow_runtime_walltime_seconds=86400",
+    )
 
 
 @pytest.mark.parametrize("kueue", [False, True])
