@@ -38,6 +38,22 @@ SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
 PARAGRAPH_UNITS = ("paragraph", "line")
 NORMALIZATIONS = ("identity", "nfkc")
 
+# Slipway's upper bounds on the values that size a stage's work or memory before any data is
+# read (a run's form sets them, and one typo should not take a shared worker down): each far
+# above what any corpus needs.
+MAX_NUM_PERM = 4096  # MinHash permutations (Marin and DataTrove use 112-256)
+MAX_ROUNDS = 64  # connected-components rounds, each two shuffles unrolled in the pipeline
+MAX_BATCH = 65_536  # documents per vectorized MinHash call or per encode call
+MAX_THREADS = 256  # tokenizer training and encoding threads
+MAX_VOCAB_SIZE = 1 << 20  # the largest vocabularies in use are 256k
+
+
+def _at_most(config: object, limit: int, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value > limit:
+            raise ValueError(f"{name} must be <= {limit}, not {value!r}")
+
 
 # -- ingest ------------------------------------------------------------------------------------
 
@@ -212,6 +228,9 @@ class FuzzyDedupConfig:
             raise ValueError("need bands * rows <= num_perm")
         if self.bands > 0xFFFF:
             raise ValueError("at most 65535 bands")
+        _at_most(self, MAX_NUM_PERM, "num_perm")
+        _at_most(self, MAX_ROUNDS, "max_rounds")
+        _at_most(self, MAX_BATCH, "batch_size")
         if min(self.false_positive_weight, self.false_negative_weight) < 0:
             raise ValueError("LSH error weights must be >= 0")
 
@@ -286,6 +305,8 @@ class TrainTokenizerConfig:
             raise ValueError("character_coverage must be in (0, 1]")
         if self.num_threads < 1 or self.max_piece_length < 1:
             raise ValueError("num_threads and max_piece_length must be >= 1")
+        _at_most(self, MAX_VOCAB_SIZE, "vocab_size")
+        _at_most(self, MAX_THREADS, "num_threads")
 
 
 @dataclass(frozen=True)
@@ -304,6 +325,8 @@ class TokenizeConfig:
             raise ValueError("encode_threads must be >= 0")
         if self.batch_docs < 1:
             raise ValueError("batch_docs must be >= 1")
+        _at_most(self, MAX_THREADS, "encode_threads")
+        _at_most(self, MAX_BATCH, "batch_docs")
 
 
 # -- building one from JSON ----------------------------------------------------------------------

@@ -521,6 +521,14 @@ def test_nan_deep_in_a_stage_config_is_refused(dag):
         ("quality", {"sources": {"brown": {"min_wordz": 3}}}, "stage_configs.quality: invalid"),
         ("tokenize", {"batch_docs": 0}, "stage_configs.tokenize: invalid"),
         ("train_tokenizer", {"vocab_size": 10}, "stage_configs.train_tokenizer: invalid"),
+        # Values that would size the work before any data is read have an upper bound too.
+        ("fuzzy_dedup", {"max_rounds": 10**7}, "max_rounds must be <= 64, not 10000000"),
+        ("fuzzy_dedup", {"num_perm": 10**9}, "num_perm must be <= 4096"),
+        ("fuzzy_dedup", {"batch_size": 10**9}, "batch_size must be <= 65536"),
+        ("train_tokenizer", {"vocab_size": 10**9}, "vocab_size must be <= 1048576"),
+        ("train_tokenizer", {"num_threads": 10**6}, "num_threads must be <= 256"),
+        ("tokenize", {"encode_threads": 10**6}, "encode_threads must be <= 256"),
+        ("tokenize", {"batch_docs": 10**12}, "batch_docs must be <= 65536"),
     ],
 )
 def test_every_stage_config_is_checked(dag, stage, config, named):
