@@ -274,6 +274,33 @@ def checked_cluster(cluster: Mapping[str, Any] | None) -> Mapping[str, Any] | No
     return cluster
 
 
+def checked_handle(
+    handle: Mapping[str, Any], cluster: Mapping[str, Any] | None, name: str
+) -> Mapping[str, Any]:
+    """``handle`` (a JobSet handle read back from storage, with its ``cluster``, itself
+    checked by :func:`checked_cluster`) if it names this step's own JobSet: a gke JobSet
+    named ``name`` in the cluster's namespace, with the uid the API server gave it (the
+    delete's precondition). Anyone who may write the bucket must not be able to point a
+    timed-out task's delete at another JobSet. :class:`PolicyViolation` if not."""
+    problems = []
+    if handle.get("backend") != "gke":
+        problems.append(f"backend {handle.get('backend')!r} is not gke")
+    if handle.get("name") != name:
+        problems.append(f"name {handle.get('name')!r} is not this step's JobSet {name!r}")
+    if handle.get("namespace") != (cluster or {}).get("namespace"):
+        problems.append(
+            f"namespace {handle.get('namespace')!r} is not the stored cluster's "
+            f"{(cluster or {}).get('namespace')!r}"
+        )
+    if not handle.get("uid"):
+        problems.append("no uid (the delete would have no precondition)")
+    if problems:
+        raise PolicyViolation(
+            "the stored JobSet handle is not this step's:\n  " + "\n  ".join(problems)
+        )
+    return handle
+
+
 def enforce(params: Mapping[str, Any]) -> None:
     """Raise :class:`PolicyViolation` with every problem of :meth:`RunPolicy.problems`: at
     the point of use, so a refused value is refused even when ``validate`` did not run."""

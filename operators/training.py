@@ -245,7 +245,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
         if execution is None:
             execution = deferred.begin(context)
         if allow_follow and (target := self._follow_target(deferred.root, step)) is not None:
-            self._defer_follow(target, execution)
+            self._defer_follow(target, execution, jobset_name("train", deferred.spec))
         submission = deferred.submit(
             execution, lambda spec, lease: self._submit(spec, params, lease, context, execution)
         )
@@ -412,15 +412,16 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
                 return None  # e.g. a local-backend run holds it: wait as the step model does
             time.sleep(min(5.0, self.gke_poll_seconds))
 
-    def _defer_follow(self, target: Mapping[str, Any], execution: int) -> None:
-        from operators.policy import checked_cluster
+    def _defer_follow(self, target: Mapping[str, Any], execution: int, name: str) -> None:
+        from operators.policy import checked_cluster, checked_handle
         from operators.triggers.jobset import JobSetTrigger
 
+        # read back from the owner's handle file: checked as the run's own settings
+        cluster = checked_cluster(target.get("cluster"))
         self.defer(
             trigger=JobSetTrigger(
-                handle=target["handle"],
-                # read back from the owner's handle file: checked as the run's own settings
-                cluster=checked_cluster(target.get("cluster")),
+                handle=dict(checked_handle(target.get("handle") or {}, cluster, name)),
+                cluster=cluster,
                 lease=None,  # not ours to renew
                 poll_seconds=self.gke_poll_seconds,
                 log_seconds=self.gke_log_seconds,
@@ -533,7 +534,7 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
     def _abandon_deferred(self, context: Any, error: Any) -> None:
         from operators.hooks.jobset import JobSetHook
         from operators.jobset import JobSetHandle
-        from operators.policy import checked_cluster
+        from operators.policy import checked_cluster, checked_handle
         from operators.triggers.lease import handle_file
 
         deferred = self._deferred(self.train_step(context))
@@ -547,19 +548,21 @@ class TrainingOperator(StepLineageMixin, BaseOperator):
             # Not this task's JobSet (a follower timed out, or a newer attempt owns it).
             self.log.warning("deferral ended (%s); no JobSet of this task to delete", error)
             return
-        handle = JobSetHandle.from_dict(saved["handle"])
-        hook = None
         ended = f"deferral ended: {getattr(error, 'value', error)}"
-        reason = f"{ended}; deleting JobSet {handle.name} did not finish"
+        name = jobset_name("train", deferred.spec)
+        reason = f"{ended}; deleting JobSet {name} did not finish"
+        hook = None
         try:
-            hook = JobSetHook(
-                "gke", cluster=checked_cluster(saved.get("cluster")), log_sink=self.log.info
+            cluster = checked_cluster(saved.get("cluster"))
+            handle = JobSetHandle.from_dict(
+                checked_handle(saved.get("handle") or {}, cluster, name)
             )
+            hook = JobSetHook("gke", cluster=cluster, log_sink=self.log.info)
             status = hook.cancel(handle)
-            reason = f"{ended}; JobSet {handle.name}: {status.message}"
+            reason = f"{ended}; JobSet {name}: {status.message}"
             self.log.warning("%s", reason)
         except Exception as exc:
-            reason = f"{ended}; deleting JobSet {handle.name} failed ({exc})"
+            reason = f"{ended}; deleting JobSet {name} failed ({exc})"
             raise
         finally:
             # The step and its lineage end whatever the delete did (a rerun adopts the JobSet),

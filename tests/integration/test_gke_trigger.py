@@ -505,6 +505,44 @@ def test_a_follower_refuses_cluster_settings_the_platform_does_not_allow(
     assert len(fake.created) == 1  # nothing sent to another cluster
 
 
+def test_a_timeout_deletes_only_this_steps_jobset(fake, kubeconfig, home, params):
+    """The handle file lies in the bucket, which other accounts may write: a timed-out task
+    deletes the JobSet the file names only if it is this step's (its name, the stored
+    cluster's namespace, a uid), and a follower follows only that one. Pointed at another
+    JobSet, nothing is deleted and the step still ends FAILED, saying why."""
+    from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+    from airflow.sdk.exceptions import TaskDeferralTimeout
+
+    from operators.policy import PolicyViolation
+    from operators.triggers.lease import handle_file
+
+    _defer(_operator(), params)
+    _, spec = _train_spec(params)
+    name = fake.created[-1]["metadata"]["name"]
+    victim = {**fake.jobsets[(NS, name)], "metadata": {"name": "someone-elses", "uid": "u-9"}}
+    fake.jobsets[(NS, "someone-elses")] = victim
+    path = Path(handle_file(spec.output_path))
+    saved = json.loads(path.read_text())
+    saved["handle"] = {**saved["handle"], "name": "someone-elses", "uid": "u-9"}
+    path.write_text(json.dumps(saved))
+    with pytest.raises(PolicyViolation, match="not this step's JobSet"):
+        _operator().execute(_context(params, "manual__second"))  # a follower
+    with pytest.raises(TaskDeferralTimeout):
+        _operator().resume_execution(
+            TRIGGER_FAIL_REPR, {"error": "Trigger timeout"}, _context(params)
+        )
+    assert fake.deletions == []
+    assert (NS, "someone-elses") in fake.jobsets and (NS, name) in fake.jobsets
+    marker, _ = _status(spec)
+    assert marker["status"] == "FAILED" and "not this step's JobSet" in marker["error"]
+    # Without the uid the delete would have no precondition: refused too.
+    saved["handle"] = {**saved["handle"], "name": name, "uid": ""}
+    with pytest.raises(PolicyViolation, match="no uid"):
+        from operators.policy import checked_handle
+
+        checked_handle(saved["handle"], saved["cluster"], name)
+
+
 def test_killing_a_follower_leaves_the_owners_jobset_training(fake, kubeconfig, home, params):
     """A second run follows the owner's JobSet; marking the second run's task failed (or
     clearing it) must not delete the JobSet the first run is training, nor fail its step."""
