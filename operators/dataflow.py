@@ -88,7 +88,9 @@ def platform_dataflow_settings(environ: Mapping[str, str] | None = None) -> dict
         if name == "experiments":
             found[name] = [e.strip() for e in value.split(",") if e.strip()]
         elif name == "max_num_workers":
-            found[name] = int(value) if value.isdigit() else value  # validated below
+            found[name] = (
+                int(value) if value.isascii() and value.isdigit() else value
+            )  # checked below
         else:
             found[name] = value
     return found

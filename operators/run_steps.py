@@ -89,7 +89,7 @@ def first_failed_task(task_states: Mapping[str, str], order: Sequence[str] = ())
 
     def rank(name: str) -> tuple[int, int, int, str]:
         base, _, index = name.rpartition("_")
-        mapped = bool(base) and index.isdigit() and base in position
+        mapped = bool(base) and index.isascii() and index.isdigit() and base in position
         task = base if mapped else name
         return (
             0 if task_states[name] == "failed" else 1,

@@ -334,7 +334,7 @@ class ParseDocuments(beam.PTransform):
         )
 
 
-_SHARD_FILE = re.compile(r"part-(\d{5})-of-(\d{5})\.jsonl\.gz$")
+_SHARD_FILE = re.compile(r"part-([0-9]{5})-of-([0-9]{5})\.jsonl\.gz$")
 
 
 def id_sharded_inputs(specs: Iterable[str], num_shards: int) -> dict[int, list[str]] | None:

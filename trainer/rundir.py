@@ -26,7 +26,7 @@ RESULT = "result.json"
 CHECKPOINTS = "checkpoints"
 COMMIT = "commit.json"
 EVAL = "eval"
-STEP_DIR_RE = re.compile(r"step-(\d{9})")
+STEP_DIR_RE = re.compile(r"step-([0-9]{9})")
 
 
 def join(root: str, *parts: str) -> str:

@@ -121,7 +121,7 @@ def platform_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any
             found[field] = absolute(value)  # what a task would read
         elif field == "slices":
             # Left as text when not a number: the schema check names it.
-            found[field] = int(value) if value.isdigit() else value
+            found[field] = int(value) if value.isascii() and value.isdigit() else value
         elif field.startswith("gke."):
             found.setdefault("gke", {})[field.removeprefix("gke.")] = value
         else:

@@ -67,7 +67,7 @@ def process_exited(process: str) -> bool:
     if here is None:
         return False
     machine, _, pid = process.rpartition(":")
-    if machine != here.rpartition(":")[0] or not pid.isdigit():
+    if machine != here.rpartition(":")[0] or not (pid.isascii() and pid.isdigit()):
         return False
     try:
         os.kill(int(pid), 0)

@@ -289,6 +289,17 @@ def test_platform_defaults_connection_project_and_run_overrides(monkeypatch):
     assert not any(a.startswith(("--service_account_email", "--max_num_workers")) for a in args)
 
 
+def test_a_platform_worker_count_in_other_digits_is_refused_not_crashed():
+    """str.isdigit() holds for "²", which int() refuses: the platform's value is checked
+    like any other, and the refusal names it."""
+    from operators.dataflow import platform_dataflow_settings
+
+    found = platform_dataflow_settings({"SLIPWAY_DATAFLOW_MAX_NUM_WORKERS": "²"})
+    assert found == {"max_num_workers": "²"}
+    with pytest.raises(DataflowSettingsError, match="max_num_workers"):
+        dataflow_settings({**DATAFLOW, "max_num_workers": None}, found)
+
+
 def test_no_project_anywhere_is_refused_before_launch(monkeypatch):
     monkeypatch.delenv("AIRFLOW_CONN_GOOGLE_CLOUD_DEFAULT")
     op = _operator(monkeypatch)
