@@ -47,6 +47,9 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
             if context.get("run_id"):  # before anything is recorded under it
                 require_own_run_folder(context["run_id"], store.run_ids())
             settings = {"params": params, "changed": self.changed_fields(params)}
+            run_type = getattr(context.get("dag_run"), "run_type", None)
+            if run_type is not None:  # manual, scheduled, backfill, asset_triggered
+                settings["run_type"] = str(getattr(run_type, "value", run_type))
             with store.recording(
                 "validate",
                 run_id=context.get("run_id"),

@@ -146,8 +146,13 @@ class RunView:
 
     @property
     def scheduled(self) -> bool:
-        """A run the schedule (or a backfill of it) made, by the run ids Airflow gives those:
-        only such runs does a backfill with ``reprocess_behavior=failed`` reprocess."""
+        """A run the schedule (or a backfill of it) made: only such runs does a backfill with
+        ``reprocess_behavior=failed`` reprocess. By Airflow's run type, which ``validate``
+        records; a run recorded without one goes by the run ids Airflow gives those runs (an
+        id a trigger may also choose)."""
+        run_type = self.run_properties.get("run_type")
+        if run_type is not None:
+            return run_type in ("scheduled", "backfill")
         return self.run_id.startswith(("scheduled__", "backfill__"))
 
     @property

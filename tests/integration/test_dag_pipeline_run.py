@@ -152,6 +152,8 @@ def _first_run_completes(env):
     changed = set(run.properties["changed"])
     assert {"steps", "batch_size", "sources", "stage_configs"} <= changed, changed
     assert "model_preset" not in changed, changed
+    # and Airflow's run type, which decides the page's backfill hint (a run by hand: none)
+    assert run.properties["run_type"] == "manual"
     assert 'id="settings"' in body
     printed = subprocess.run(
         [sys.executable, "-m", "operators.summary", run1],

@@ -56,6 +56,7 @@ def record_run(
     *,
     fail_train: bool = False,
     started_at: datetime | None = None,
+    run_type: str | None = None,
 ) -> None:
     t = started_at or datetime(2026, 12, 1, 2, 0, tzinfo=UTC)
     tick = timedelta(seconds=7)
@@ -64,7 +65,11 @@ def record_run(
 
     # validate records the run's settings on the run (operators/validate.py)
     ex = store.start_execution(
-        "validate", run_id=run_id, pipeline=PIPELINE, started_at=t, run_properties=SETTINGS
+        "validate",
+        run_id=run_id,
+        pipeline=PIPELINE,
+        started_at=t,
+        run_properties={**SETTINGS, "run_type": run_type} if run_type else SETTINGS,
     )
     store.finish_execution(ex, ended_at=t)
 

@@ -255,6 +255,25 @@ def test_a_failed_scheduled_run_may_also_be_backfilled(store, tmp_path):
     assert "Clear the failed task and rerun (or backfill with reprocess_behavior=failed" in text
 
 
+@pytest.mark.parametrize(
+    ("run_id", "run_type", "backfill"),
+    [
+        # a trigger may choose any run id Airflow's pattern allows, this one included
+        ("scheduled__2026-12-06T00:00:00+00:00", "manual", False),
+        ("nightly-rerun", "scheduled", True),
+        ("backfill__2026-12-06T00:00:00+00:00", "backfill", True),
+    ],
+)
+def test_the_backfill_hint_follows_airflows_run_type(store, tmp_path, run_id, run_type, backfill):
+    from operators.reports.view import run_view
+
+    record_run(store, run_id, tmp_path, fail_train=True, run_type=run_type)
+    view = run_view(store.run_graph(run_id))
+    assert view.run_properties["run_type"] == run_type and view.scheduled is backfill
+    text = " ".join(" ".join(parse(pages.run_page(store, run_id, "/slipway")).text).split())
+    assert ("backfill with reprocess_behavior=failed" in text) is backfill
+
+
 def test_a_rerun_after_the_run_summary_shows_the_rerun_not_the_failure_it_summed_up(store):
     """Cleared after it failed, the run trains again (what its page told the reader to do).
     The summary record wrote of the failure (failed at train, the resume plan, evaluate and
