@@ -128,6 +128,40 @@ def _check_experiments(experiments: Any) -> tuple[tuple[str, ...], list[str]]:
     return tuple(dict.fromkeys([RUNNER_V2, *experiments])), problems
 
 
+def value_problems(values: Mapping[str, Any]) -> list[str]:
+    """What is wrong with each Dataflow setting ``values`` gives (unset ones aside): the
+    checks :func:`dataflow_settings` makes, also asked of a DirectRunner run's ``dataflow``
+    object, which nothing would use, so that a typo there is named rather than ignored."""
+    problems = [
+        f"unknown Dataflow setting {k!r}" for k in sorted(set(values) - set(DATAFLOW_FIELDS))
+    ]
+    given = {k: v for k, v in values.items() if v not in ("", None, [], ())}
+    for name, pattern, what in (
+        ("project_id", naming.PROJECT, "a GCP project id"),
+        ("location", naming.REGION, "a Dataflow region (e.g. us-central1)"),
+        ("temp_location", naming.GCS_PATH, "a gs://bucket/path"),
+        ("staging_location", naming.GCS_PATH, "a gs://bucket/path"),
+        ("service_account", naming.SERVICE_ACCOUNT, "a service account e-mail"),
+    ):
+        if name in given and not naming.full(pattern, given[name]):
+            problems.append(f"{name} {given[name]!r} is not {what}")
+    if "sdk_container_image" in given and (
+        error := naming.image_problem(given["sdk_container_image"], "sdk_container_image")
+    ):
+        problems.append(error)
+    workers = given.get("max_num_workers")
+    if workers is not None and (
+        isinstance(workers, bool)
+        or not isinstance(workers, int)
+        or not 1 <= workers <= MAX_DATAFLOW_WORKERS
+    ):
+        problems.append(
+            f"max_num_workers {workers!r} is not an integer in 1..{MAX_DATAFLOW_WORKERS}"
+        )
+    problems += _check_experiments(given.get("experiments", []))[1]
+    return problems
+
+
 def dataflow_settings(
     run: Mapping[str, Any],
     platform: Mapping[str, Any] | None = None,
@@ -141,66 +175,40 @@ def dataflow_settings(
     used when neither names one. Raises :class:`DataflowSettingsError` listing every problem.
     """
     merged = _merge(platform or {}, run)
-    problems = [
-        f"unknown Dataflow setting {k!r}" for k in sorted(set(merged) - set(DATAFLOW_FIELDS))
-    ]
     project = merged.get("project_id") or connection_project
+    temp = merged.get("temp_location")
+    # Derived from temp_location when not given: a missing temp_location is reported once.
+    staging = merged.get("staging_location") or (
+        f"{temp.rstrip('/')}/staging" if isinstance(temp, str) and temp else None
+    )
+    completed = {**merged, "project_id": project, "staging_location": staging}
+    problems = []
     if not project:
         problems.append(
             "project_id is not set (run form dataflow.project_id, "
             f"{DATAFLOW_ENV_PREFIX}PROJECT_ID, or the GCP connection's project)"
         )
-    elif not naming.full(naming.PROJECT, project):
-        problems.append(f"project_id {project!r} is not a GCP project id")
-    location = merged.get("location")
-    if not location:
+    if not merged.get("location"):
         problems.append(_unset("location", "a Dataflow region, e.g. us-central1"))
-    elif not naming.full(naming.REGION, location):
-        problems.append(f"location {location!r} is not a Dataflow region (e.g. us-central1)")
-    temp = merged.get("temp_location")
     if not temp:
         problems.append(_unset("temp_location", "gs://bucket/path"))
-    elif not naming.full(naming.GCS_PATH, temp):
-        problems.append(f"temp_location {temp!r} is not a gs://bucket/path")
-    staging = merged.get("staging_location") or (
-        f"{temp.rstrip('/')}/staging" if isinstance(temp, str) and temp else None
-    )
-    # Derived from temp_location when not given: a missing temp_location is reported once.
-    if staging is not None and not naming.full(naming.GCS_PATH, staging):
-        problems.append(f"staging_location {staging!r} is not a gs://bucket/path")
-    image = merged.get("sdk_container_image")
-    if not image:
+    if not merged.get("sdk_container_image"):
         # Without it workers run Beam's stock image, which lacks the pipelines package.
         problems.append(_unset("sdk_container_image", "the slipway-beam image"))
-    elif error := naming.image_problem(image, "sdk_container_image"):
-        problems.append(error)
-    account = merged.get("service_account")
-    if account is not None and not naming.full(naming.SERVICE_ACCOUNT, account):
-        problems.append(f"service_account {account!r} is not a service account e-mail")
-    workers = merged.get("max_num_workers")
-    if workers is not None and (
-        isinstance(workers, bool)
-        or not isinstance(workers, int)
-        or not 1 <= workers <= MAX_DATAFLOW_WORKERS
-    ):
-        problems.append(
-            f"max_num_workers {workers!r} is not an integer in 1..{MAX_DATAFLOW_WORKERS}"
-        )
-    experiments, bad = _check_experiments(merged.get("experiments", []))
-    problems += bad
+    problems += value_problems(completed)
     if problems:
         raise DataflowSettingsError(
             "invalid Dataflow settings:\n  " + "\n  ".join(problems), problems
         )
     return DataflowSettings(
         project_id=project,
-        location=location,
+        location=merged["location"],
         temp_location=temp,
         staging_location=staging,
-        sdk_container_image=image,
-        service_account=account,
-        max_num_workers=workers,
-        experiments=experiments,
+        sdk_container_image=merged["sdk_container_image"],
+        service_account=merged.get("service_account"),
+        max_num_workers=merged.get("max_num_workers"),
+        experiments=_check_experiments(merged.get("experiments", []))[0],
     )
 
 

@@ -685,6 +685,12 @@ def check_run_config(
         problems.extend(_gke_problems(params))
     if params["runner"] == "DataflowRunner":
         problems.extend(_dataflow_problems(params, connection_project))
+    elif params.get("dataflow"):
+        # Unused on this runner, but a value there is still checked: a typo is named, not
+        # carried along until someone switches the runner.
+        from operators.dataflow import value_problems
+
+        problems += [f"dataflow.{p}" for p in value_problems(params["dataflow"])]
     try:
         launch = TrainingLaunch(
             name="check",

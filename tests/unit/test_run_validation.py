@@ -327,6 +327,33 @@ def test_local_runs_name_no_cluster_credentials(dag):
     assert "gke.kubeconfig: only a backend=gke run names cluster credentials" in message
 
 
+def test_a_directrunner_runs_dataflow_values_are_checked_though_unused(dag):
+    """The form's `dataflow` object only matters on DataflowRunner; given on DirectRunner its
+    values are still checked (every one named), and valid ones pass."""
+    message = _refused(
+        _form(
+            dag,
+            runner="DirectRunner",
+            dataflow={
+                "project_id": "not a project\n",
+                "location": "mars",
+                "sdk_container_image": "reg.io/p/slipway-beam:latest",
+                "max_num_workers": 5,
+            },
+        )
+    )
+    assert "dataflow.project_id 'not a project\\n' is not a GCP project id" in message
+    assert "dataflow.location 'mars' is not a Dataflow region" in message
+    assert "dataflow.sdk_container_image" in message and "max_num_workers" not in message
+    from operators.pipeline.form import check_run_config
+
+    check_run_config(
+        _form(
+            dag, runner="DirectRunner", dataflow={"location": "europe-west4", "max_num_workers": 5}
+        )
+    )
+
+
 def test_dataflow_identity_and_image_come_from_the_platform(dag, monkeypatch):
     monkeypatch.setenv("SLIPWAY_HOME", "gs://slipway-data/home")
     monkeypatch.setenv("SLIPWAY_DATA_DIR", "gs://slipway-data/corpora")
