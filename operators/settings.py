@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -103,7 +104,7 @@ def run_folder_name(run_id: str) -> str:
     """The run folder's name: the run id with anything but letters, digits and ``-_.+``
     replaced by ``_``, and a leading dot too (a run id of ``..`` must not name the folder
     above). Not one-to-one (``a:b`` and ``a_b`` share ``a_b``): see :func:`run_folder_twin`."""
-    safe = "".join(c if c.isalnum() or c in "-_.+" else "_" for c in run_id)
+    safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_.+" else "_" for c in run_id)
     if not safe or safe.startswith("."):
         safe = "_" + safe
     return safe
@@ -119,6 +120,26 @@ def run_folder(run_id: str) -> str:
 
 class RunFolderTaken(ValueError):
     """Another recorded run's id names the same run folder as this run's."""
+
+
+class RunIdNotAllowed(ValueError):
+    """A run id outside Airflow's default pattern for the ids a trigger may give."""
+
+
+# Airflow's default ``allowed_run_id_pattern``, ASCII only and to the last character: Airflow
+# lets an id of its own scheduled shape through on a looser check (``\d`` matches any
+# script's digits, ``$`` a final newline) before the pattern a deployment sets.
+RUN_ID = re.compile(r"[A-Za-z0-9_.~:+-]{1,250}")
+
+
+def check_run_id(run_id: str) -> None:
+    """Raise :class:`RunIdNotAllowed` unless ``run_id`` is plain: it names a run folder, a
+    lineage run and a page's address."""
+    if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+        raise RunIdNotAllowed(
+            f"run id {run_id!r}: only ASCII letters, digits and _.~:+- (at most 250); "
+            "trigger this run with another run id"
+        )
 
 
 def runs_sharing_folder(run_id: str, recorded: Iterable[str]) -> list[str]:

@@ -39,12 +39,13 @@ class ValidateRunOperator(StepLineageMixin, BaseOperator):
         self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.settings import require_own_run_folder
+        from operators.settings import check_run_id, require_own_run_folder
 
         params = self.run_params(context)
         store = self.lineage_store()
         try:
             if context.get("run_id"):  # before anything is recorded under it
+                check_run_id(context["run_id"])
                 require_own_run_folder(context["run_id"], store.run_ids())
             settings = {"params": params, "changed": self.changed_fields(params)}
             run_type = getattr(context.get("dag_run"), "run_type", None)

@@ -397,6 +397,29 @@ def test_a_run_id_naming_another_runs_folder_is_refused(home, params, twin):
     ValidateRunOperator().execute(_context(params, night))  # the folder's own run goes on
 
 
+@pytest.mark.parametrize(
+    "run_id",
+    [
+        "scheduled__2026-01-01T02:00:00+00:00\n",  # Airflow lets its own shape end in one
+        "scheduled__２０２６-０１-０１T０２:００:００+00:00",  # and its \\d matches these
+        "night/1",
+        "x" * 251,
+    ],
+)
+def test_validate_refuses_a_run_id_outside_the_plain_pattern(home, params, run_id):
+    """Airflow checks an id of its scheduled shape with its own looser pattern before the one
+    a deployment sets: validate refuses what is not plain ASCII, naming it, before anything
+    is recorded; the run folder's name keeps to ASCII either way."""
+    from operators.settings import RunIdNotAllowed, run_folder_name
+    from operators.validate import ValidateRunOperator
+
+    with pytest.raises(RunIdNotAllowed, match=re.escape(repr(run_id))):
+        ValidateRunOperator().execute(_context(params, run_id))
+    with _store(home) as store:
+        assert store.run_ids() == set()
+    assert run_folder_name(run_id).isascii()
+
+
 def test_jobset_hook_backends():
     from operators.hooks.jobset import BackendUnavailable, JobSetHook
 
