@@ -204,6 +204,24 @@ def mean_stderr(values: Sequence[float]) -> float | None:
     return float(np.std(np.asarray(values, np.float64), ddof=1) / math.sqrt(n))
 
 
+def pooled_stderr(values: Sequence[float], groups: Sequence[str]) -> float | None:
+    """The harness's stderr of a size-weighted group mean (lm-eval's ``pooled_sample_stderr``
+    over the group's leaf tasks, each with its own sample stderr): the variance within the
+    groups pooled, sqrt(SSW / (N - k) / N), where the spread between the groups' means does
+    not count. A group of one value adds nothing to either sum (the harness reports no stderr
+    for such a subtask, and so none for the group); None when no group has two."""
+    by_group: dict[str, list[float]] = {}
+    for value, group in zip(values, groups, strict=True):
+        by_group.setdefault(group, []).append(value)
+    n, k = len(values), len(by_group)
+    if n - k < 1:
+        return None
+    within = sum(
+        float(np.sum((np.asarray(v, np.float64) - np.mean(v)) ** 2)) for v in by_group.values()
+    )
+    return math.sqrt(within / (n - k) / n)
+
+
 def example_results(task: Task, example: Example, scored: Sequence[Scored]) -> dict[str, Any]:
     """One example's per-request scores and outcome (the harness's ``process_results``)."""
     lls = [s.loglikelihood for s in scored]
@@ -236,6 +254,14 @@ def task_metrics(task: Task, examples: Sequence[Example], rows: Sequence[dict]) 
     and how many examples had a context cut to fit."""
     accs = [r["acc"] for r in rows]
     norms = [r["acc_norm"] for r in rows] if task.acc_norm else []
+    if task.pooled:
+        group_of = {e.doc_id: e.group for e in examples}
+        groups = [group_of[r["doc_id"]] for r in rows]
+
+        def stderr(values: Sequence[float]) -> float | None:
+            return pooled_stderr(values, groups)
+    else:
+        stderr = mean_stderr
     perplexity = None
     if task.kind == "loglikelihood":
         # the harness's perplexity aggregation: exp(-mean log-likelihood per example)
@@ -245,9 +271,9 @@ def task_metrics(task: Task, examples: Sequence[Example], rows: Sequence[dict]) 
         "n": len(rows),
         "shots": task.shots,
         "acc": float(np.mean(accs)) if accs else None,
-        "acc_stderr": mean_stderr(accs),
+        "acc_stderr": stderr(accs),
         "acc_norm": float(np.mean(norms)) if norms else None,
-        "acc_norm_stderr": mean_stderr(norms) if norms else None,
+        "acc_norm_stderr": stderr(norms) if norms else None,
         "chance": chance(task, examples),
         "perplexity": perplexity,
         # examples with a request whose context was cut from the left to fit seq_len: their

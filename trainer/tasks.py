@@ -27,7 +27,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 Doc = dict[str, Any]  # a document's metadata, plus its text under "text"
@@ -54,6 +54,7 @@ class Example:
     requests: tuple[Request, ...]
     gold: int
     choices: tuple[str, ...] = ()
+    group: str = ""  # the harness's subtask it belongs to (MMLU: its subject), for the stderr
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Task:
     acc_norm: bool = True
     shots: int = 0
     fewshot_split: str = ""
+    # The harness runs it as a group of subtasks (``Example.group``; MMLU: one per subject)
+    # whose mean is weighted by size: its stderr pools the subtasks' variances.
+    pooled: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -146,7 +150,7 @@ def mmlu(doc: Doc, shots: Sequence[Doc]) -> Example:
     for shot in shots:
         context += f"{_mmlu_question(shot)} {MMLU_LETTERS[_gold(shot)]}\n\n"
     context += _mmlu_question(doc)
-    return _mc(doc, context, MMLU_LETTERS, _gold(doc))
+    return replace(_mc(doc, context, MMLU_LETTERS, _gold(doc)), group=doc["subject"])
 
 
 TASKS: dict[str, Task] = {
@@ -159,8 +163,17 @@ TASKS: dict[str, Task] = {
         Task("piqa", "piqa", "validation", piqa),
         Task("winogrande", "winogrande", "validation", winogrande, acc_norm=False),
         Task("lambada_openai", "lambada", "test", lambada, kind="loglikelihood", acc_norm=False),
-        Task("mmlu", "mmlu", "test", mmlu, acc_norm=False),
-        Task("mmlu_5shot", "mmlu", "test", mmlu, acc_norm=False, shots=5, fewshot_split="dev"),
+        Task("mmlu", "mmlu", "test", mmlu, acc_norm=False, pooled=True),
+        Task(
+            "mmlu_5shot",
+            "mmlu",
+            "test",
+            mmlu,
+            acc_norm=False,
+            shots=5,
+            fewshot_split="dev",
+            pooled=True,
+        ),
     )
 }
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)

@@ -231,6 +231,15 @@ def test_our_scores_match_the_harness(tiny_run, exported, tmp_path):
         differing += compare(task, our[task], samples, examples)
     # a prediction may differ only where two choices' scores tie within the tolerance
     assert not differing, differing
+    # MMLU is the harness's group of subject tasks: its stderr pools theirs, by the harness's
+    # own functions on its own per-subject results
+    from lm_eval.api.metrics import mean_stderr, pooled_sample_stderr
+
+    subjects = [[s["acc"] for s in theirs[n]] for n in names["mmlu"]]
+    assert min(len(a) for a in subjects) >= 2  # else the harness reports no stderr
+    pooled = pooled_sample_stderr([mean_stderr(a) for a in subjects], [len(a) for a in subjects])
+    body = json.loads((tmp_path / "eval.json").read_text())
+    assert body["benchmarks"]["mmlu"]["acc_stderr"] == pytest.approx(pooled, rel=1e-9)
 
 
 def test_mmlu_five_shot_matches_the_harness(tiny_run, exported, tmp_path):

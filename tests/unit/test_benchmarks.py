@@ -166,6 +166,7 @@ def test_real_evaluation_sets_build(corpora_eval_dir):
             assert 0 <= e.gold < len(e.requests) or task.kind == "loglikelihood"
     mmlu = load_examples(TASKS["mmlu"], corpora_eval_dir, 57)
     assert len({e.doc_id.split("/")[2] for e in mmlu}) == 57  # round-robin over subjects
+    assert [e.group for e in mmlu] == [e.doc_id.split("/")[2] for e in mmlu]  # for the stderr
     # a limit takes the dataset's (the harness's) first questions, not the first ids: ARC's
     # ids sort by exam source, and Mercury's are two thirds of each test set
     easy = load_examples(TASKS["arc_easy"], corpora_eval_dir, 200)
@@ -235,6 +236,40 @@ def test_metrics_arithmetic():
     m = task_metrics(lam, [ex], [{"acc": 0.0, "loglikelihoods": [-800.0]}])
     assert m["perplexity"] == math.inf
     assert chance(lam, [ex]) == 0.0
+
+
+def test_mmlus_stderr_pools_its_subjects_as_the_harness_does():
+    """lm-eval reports MMLU as a group of 57 subject tasks, its mean weighted by size and its
+    stderr ``pooled_sample_stderr`` of the subjects' stderrs: the within-subject variance
+    pooled (the spread between subjects' means does not count). Its formula, written out
+    here, against ours on the same results."""
+    task = TASKS["mmlu"]
+    requests = tuple(Request("q", f" {c}") for c in "ABCD")
+    accs = {"anatomy": [1.0, 0.0, 1.0], "virology": [0.0, 0.0], "law": [1.0, 1.0, 1.0, 0.0]}
+    examples, rows = [], []
+    for subject, values in accs.items():
+        for i, a in enumerate(values):
+            examples.append(
+                Example(f"{subject}/{i}", requests, gold=0, choices=tuple("ABCD"), group=subject)
+            )
+            rows.append({"doc_id": f"{subject}/{i}", "acc": a})
+    sizes = [len(v) for v in accs.values()]
+    stderrs = [mean_stderr(v) for v in accs.values()]
+    harness = math.sqrt(
+        sum((n - 1) * se**2 * n for n, se in zip(sizes, stderrs, strict=True))
+        / (sum(sizes) - len(sizes))
+        / sum(sizes)
+    )
+    m = task_metrics(task, examples, rows)
+    assert m["acc"] == pytest.approx(5 / 9) and m["acc_stderr"] == pytest.approx(harness)
+    # not the stderr of the nine results taken as one task
+    assert m["acc_stderr"] < mean_stderr([a for v in accs.values() for a in v])
+    assert harness == pytest.approx(math.sqrt((2 / 3 + 0 + 3 / 4) / (9 - 3) / 9))
+    # a subject with one example adds no degree of freedom; all single: no stderr
+    one = Example("x/0", requests, gold=0, choices=tuple("ABCD"), group="x")
+    with_one = task_metrics(task, [*examples, one], [*rows, {"doc_id": "x/0", "acc": 1.0}])
+    assert with_one["acc_stderr"] == pytest.approx(math.sqrt((2 / 3 + 0 + 3 / 4) / (10 - 4) / 10))
+    assert task_metrics(task, [one], [{"doc_id": "x/0", "acc": 1.0}])["acc_stderr"] is None
 
 
 # --- the scorer against the model's own forward pass -------------------------------------------
