@@ -21,6 +21,7 @@ import io
 import json
 import shutil
 import time
+from urllib.parse import unquote
 
 import pytest
 
@@ -126,9 +127,15 @@ def _the_run_report(af, page, run_id: str, states: dict, nodes: dict) -> None:
         # exact: the home page also links assets such as "slipway://models/...", and the plugin's
         # nav entry renders after them (Airflow loads plugins asynchronously)
         page.get_by_role("link", name="Slipway", exact=True).first.click()
-        # The entry embeds the pages (an external view); open them at their own address.
+        # The entry embeds the pages (an external view). Its iframe's sandbox does not let a
+        # link navigate the top window: the link to Airflow's page of the run moves the UI.
         frame = page.frame_locator("iframe").first
         frame.locator("table#runs").wait_for()
+        frame.get_by_role("link", name=run_id, exact=True).click()
+        frame.get_by_role("link", name="the DAG run in Airflow").first.click()
+        page.wait_for_url(lambda url: unquote(url).endswith(f"/dags/{DAG_ID}/runs/{run_id}"))
+        page.get_by_text("Slipway report").first.wait_for()  # Airflow's own run page
+        # Then the pages at their own address.
         page.goto(f"{af.url}/slipway/")
         row = page.locator("table#runs tr", has=page.get_by_role("link", name=run_id))
         assert "COMPLETE" in row.inner_text(), row.inner_text()
