@@ -111,7 +111,7 @@ def fault_watch(out: str, fail_at: int, start_step: int | None) -> Callable[[], 
             # steps further first, so its last checkpoint can be past `step`
             return (
                 f"fault injection: fail_at_step={fail_at} reached (trainer at {step} when "
-                "cancelled)"
+                "cancelled; it checkpoints where it stops, which can be a few steps later)"
             )
         return None
 

@@ -1,7 +1,7 @@
-"""The report pages' two bits of script, in Debian's Chromium (no Airflow needed): a running
-run's page keeps what the reader opened across its reloads, and a wide lineage graph opens on
-its middle, where the traced artifact is. The pages are rendered from a real lineage store
-and loaded from files."""
+"""The report pages as a browser shows them, in Debian's Chromium (no Airflow needed): a
+running run's page keeps what the reader opened across its reloads, a wide lineage graph opens
+on its middle, where the traced artifact is, and an error of several lines keeps its lines.
+The pages are rendered from a real lineage store and loaded from files."""
 
 from __future__ import annotations
 
@@ -56,3 +56,27 @@ def test_a_wide_lineage_graph_opens_on_its_middle(store, tmp_path: Path, page):
     assert abs(left - (scroll_width - client_width) / 2) <= 1  # on the middle
     artifact = page.locator("#lineage-graph g.node.artifact rect")
     assert artifact.is_visible() and artifact.bounding_box()["x"] < client_width
+
+
+def test_an_error_of_several_lines_keeps_its_lines(store, tmp_path: Path, page):
+    """validate lists every problem on its own line: the run page shows them so, in the
+    failure box and in the step's error row, not run together."""
+    error = (
+        "RunConfigError: invalid run:\n  warmup_steps: 20 is more than steps (1)\n"
+        "  trainer config: optimizer.warmup_steps: must be in [0, steps=1]"
+    )
+    ex = store.start_execution("validate", run_id="refused", pipeline="slipway_pipeline")
+    store.finish_execution(ex, "FAILED", error=error)
+    path = tmp_path / "refused.html"
+    path.write_text(pages.run_page(store, "refused", "/s"))
+    page.goto(path.as_uri())
+    for shown in (
+        page.locator("#failed-error"),
+        page.locator('tr.error-row[data-error-for="validate"] .failure-text > strong'),
+    ):
+        lines = shown.inner_text().splitlines()
+        assert [line.strip() for line in lines] == [
+            "RunConfigError: invalid run:",
+            "warmup_steps: 20 is more than steps (1)",
+            "trainer config: optimizer.warmup_steps: must be in [0, steps=1]",
+        ], lines
