@@ -209,6 +209,11 @@ class RecordRunOperator(StepLineageMixin, BaseOperator):
             # another run has (RunFolderTaken).
             require_own_run(store, run_id, self.dag_id)
             task_states = run_task_states(context)
+            order = {task: i for i, task in enumerate(self._task_order())}
+            # in the pipeline's order: the run page lists what never ran so
+            task_states = dict(
+                sorted(task_states.items(), key=lambda kv: order.get(kv[0], len(order)))
+            )
             closed = close_leftovers(store, run_id, task_states, self.dag_id)
             try:
                 graph_run = store.run_graph(run_id)

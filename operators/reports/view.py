@@ -132,11 +132,21 @@ class RunView:
         # A run whose values validate refused runs nothing on a clear either (it keeps them):
         # the page says to trigger a new run, and no row may say otherwise.
         later = "" if self.refused else "runs on a clear-and-rerun"
-        found = {name: later or "not run" for name in rerun if name not in ran}
-        for task, state in self.task_states.items():
+        states = self.task_states
+
+        def why(name: str) -> str:
+            # a step whose task Airflow left unrun says so as the tasks without steps do
+            airflow = f"Airflow: {states[name] or 'no state'}" if name in states else ""
+            return "; ".join(filter(None, [airflow, later])) or "not run"
+
+        found = {name: why(name) for name in rerun if name not in ran}
+        for task, state in states.items():
             if task not in ran and task not in found and task != "record" and state in _NOT_RUN:
-                found[task] = "; ".join(filter(None, [f"Airflow: {state or 'no state'}", later]))
-        return tuple(found.items())
+                found[task] = why(task)
+        # in the pipeline's order (``record`` writes the task states in the DAG's), steps
+        # without a task of their own after
+        order = {task: i for i, task in enumerate(states)}
+        return tuple(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
 
     @property
     def refused(self) -> bool:

@@ -185,7 +185,7 @@ def test_the_printed_summary_names_the_exports_weight_type(store):
 
 def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(store):
     body = pages.run_page(store, "bad <script>", "/slipway", loss_src="x.png")
-    assert "<script>" not in body  # the run id is text
+    assert "bad <script>" not in body and "bad &lt;script&gt;" in body  # the run id is text
     html = parse(body)
     text = " ".join(" ".join(html.text).split())
     assert "Failed at train" in text and "preempted at step 12" in text
@@ -202,7 +202,11 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert "preempted" in error[0] and "last checkpoint: step 10" in error[0]
     assert "traceback" in error[0]
     # the steps after the failure are listed, as not run (the summary's rerun list)
-    assert rows["evaluate"] == ["evaluate", "not run", "runs on a clear-and-rerun"]
+    assert rows["evaluate"] == [
+        "evaluate",
+        "not run",
+        "Airflow: upstream_failed; runs on a clear-and-rerun",
+    ]
     # and the tasks without steps that Airflow did not run, with the state it gave them
     assert rows["gate"] == [
         "gate",
@@ -230,8 +234,18 @@ def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
         "run_id": "typo",
         "state": "FAILED",
         "failed": [{"step": "validate", "error": error}],
-        "resume": {"skipped_on_rerun": [], "rerun": ["train-44444444"]},
-        "task_states": {"validate": "failed", "gate": "upstream_failed"},
+        "resume": {
+            "skipped_on_rerun": [],
+            "rerun": ["train-44444444", "evaluate-55555555", "tokens/train/brown-66666666"],
+        },
+        # as record writes them: in the DAG's order
+        "task_states": {
+            "validate": "failed",
+            "fetch": "upstream_failed",
+            "train": "upstream_failed",
+            "evaluate": "upstream_failed",
+            "gate": "upstream_failed",
+        },
     }
     ex = store.start_execution("record", run_id="typo", pipeline="slipway_pipeline")
     store.record_output(ex, "/runs/typo/summary.json", "run_summary", properties=summary)
@@ -243,8 +257,12 @@ def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
     assert "Clear the failed task" not in text
     # and no row below contradicts it
     rows = html.step_rows()
-    assert rows["train"] == ["train", "not run", "not run"]
+    # in the pipeline's order, each saying what Airflow made of it; a step without a task of
+    # its own after them
+    assert list(rows)[-5:] == ["fetch", "train", "evaluate", "gate", "tokens/train/brown"]
+    assert rows["train"] == ["train", "not run", "Airflow: upstream_failed"]
     assert rows["gate"] == ["gate", "not run", "Airflow: upstream_failed"]
+    assert rows["tokens/train/brown"] == ["tokens/train/brown", "not run", "not run"]
     assert "clear-and-rerun" not in text
 
 
