@@ -114,6 +114,9 @@ class RunView:
     run_properties: Mapping[str, Any] = field(default_factory=dict)
     # The run's static report.html (record's output; None: not written, as for a sweep night)
     report: str | None = None
+    # A cleared run going again: what its last summary said a rerun runs, and the tasks that
+    # summary had as not run, in its order (empty otherwise). Those not started yet stay listed.
+    rerun_pending: tuple[str, ...] = ()
 
     @property
     def heldout_bits_per_byte(self) -> float | None:
@@ -143,9 +146,12 @@ class RunView:
         for task, state in states.items():
             if task not in ran and task not in found and task != "record" and state in _NOT_RUN:
                 found[task] = why(task)
+        for name in self.rerun_pending:
+            if name not in ran and name not in found:
+                found[name] = "not started yet in this rerun"
         # in the pipeline's order (``record`` writes the task states in the DAG's), steps
         # without a task of their own after
-        order = {task: i for i, task in enumerate(states)}
+        order = {task: i for i, task in enumerate(states or self.rerun_pending)}
         return tuple(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
 
     @property
@@ -285,6 +291,7 @@ def run_view(graph: RunGraph) -> RunView:
         attempts[node.execution.name] = attempts.get(node.execution.name, 0) + 1
         latest[node.execution.name] = node
     summary: Mapping[str, Any] = {}
+    rerun_pending: tuple[str, ...] = ()
     summarized_by = None  # the execution that wrote the run summary (record, the sweep's check)
     rows, evaluations, benchmarks, exports = [], [], [], []
     samples: Mapping[str, Any] = {}
@@ -318,7 +325,16 @@ def run_view(graph: RunGraph) -> RunView:
     ):
         # A step started after the summary: the run was cleared and runs again, so the
         # summary's failures, resume plan, task states, state and end are an earlier
-        # attempt's. The executions say where the rerun is until its last task sums it up.
+        # attempt's. The executions say where the rerun is until its last task sums it up;
+        # what that summary had as not run stays listed until it starts.
+        earlier = [step_name(key) for key in (summary.get("resume") or {}).get("rerun") or ()]
+        earlier += [
+            task
+            for task, state in (summary.get("task_states") or {}).items()
+            if task != "record" and state in _NOT_RUN and task not in earlier
+        ]
+        order = {task: i for i, task in enumerate(summary.get("task_states") or {})}
+        rerun_pending = tuple(sorted(earlier, key=lambda n: order.get(n, len(order))))
         summary, summarized_by = {}, None
     ended_at = graph.run.ended_at
     if summary and ended_at is None and summarized_by is not None:
@@ -343,6 +359,7 @@ def run_view(graph: RunGraph) -> RunView:
         task_states=dict(summary.get("task_states") or {}),
         train_output=_output(latest.get("train")),
         run_properties=dict(graph.run.properties),
+        rerun_pending=rerun_pending,
         report=report,
     )
 
