@@ -1,19 +1,21 @@
 """Slipway: raw text -> clean documents -> tokenizer -> token stores -> trained, evaluated,
 promoted model.
 
-Trigger it from the UI form (every field is JSON-schema validated; bad values are refused
-before the run starts) or ``airflow dags test slipway_pipeline``. Every data, training and
-evaluation task is a content-addressed step: a rerun or backfill skips what already succeeded (lineage CACHED)
-and training resumes from its last checkpoint. The ``gate`` task promotes a model that meets
-the form's criteria: a lineage record and an event of the Asset ``slipway://models/<name>``
-(through the alias ``slipway-models``), which other DAGs can schedule on. See
-docs/orchestration.md.
-
-The tasks and their edges are the pipeline's one table (``operators/pipeline/definition.py``); this file
-says which operator runs each role.
-
-Kept thin: imports ``operators`` only, whose modules import Beam, JAX and TensorStore lazily.
+Trigger it from the UI form (every field is JSON-schema validated: a number field keeps to
+its bounds, any other bad value is refused naming the field, and the first task, ``validate``,
+checks what spans fields before any data is read) or ``airflow dags test slipway_pipeline``.
+Every data, training and evaluation task is a content-addressed step: a rerun or backfill
+skips what already succeeded (lineage CACHED) and training resumes from its last checkpoint.
+The ``gate`` task promotes a model that meets the form's criteria (none by default: set
+``gate_max_regression`` to keep a worse model from replacing the promoted one): a lineage
+record and an event of the Asset ``slipway://models/<name>`` (through the alias
+``slipway-models``), which other DAGs can schedule on. See docs/orchestration.md.
 """
+
+# For the next engineer (not shown in the UI, which shows the docstring above): the tasks and
+# their edges are the pipeline's one table (operators/pipeline/definition.py); this file says
+# which operator runs each role. Kept thin: imports `operators` only, whose modules import
+# Beam, JAX and TensorStore lazily.
 
 from __future__ import annotations
 
