@@ -21,12 +21,14 @@ import hashlib
 import io
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 REPORT_FOLDER = "report"
 PLOTS = ("isoflop", "scaling")
 FORMATS = ("png", "svg")
+LEFT_OUT_CHARS = 100  # per line of the IsoFLOP plot's "left out" note: fits inside its axes
 
 
 def summary(
@@ -187,7 +189,13 @@ def isoflop_figure(night: Mapping[str, Any], metric: str) -> Any:
             [], [], "o", color="0.4", mfc="none", label="outside its parabola (approach 3 only)"
         )
     _forecast_points(ax, night["forecasts"], "params")
-    left = [f"[{c['index']}] {c['label']}: {c['reason']}" for c in cells if not _usable(c)]
+    # One short line per cell left out (the whole reason is in report.json and on the pages):
+    # a long one would run past the axes, and the layout would shrink them to make room.
+    left = [
+        textwrap.shorten(f"[{c['index']}] {c['label']}: {c['reason']}", LEFT_OUT_CHARS)
+        for c in cells
+        if not _usable(c)
+    ]
     if left:
         ax.text(
             0.01,
@@ -197,6 +205,7 @@ def isoflop_figure(night: Mapping[str, Any], metric: str) -> Any:
             fontsize=7,
             va="bottom",
             color="0.3",
+            in_layout=False,
         )
     ax.set_xscale("log")
     ax.set_xlabel("non-embedding parameters N")

@@ -333,6 +333,57 @@ def test_metric_stores_must_be_stores_of_the_run():
     check_sweep_config(sweep_params(metric_stores=["heldout-brown", "eval-lambada"]), VOCAB)
 
 
+def test_a_long_left_out_reason_leaves_the_isoflop_axes_their_size():
+    """A cell left out is named under the curves with its reason, cut to one short line: a
+    long reason (a training failure's whole message) would run past the axes, and the layout
+    would shrink them to a third of the figure to make room."""
+    from operators.sweep.figures import LEFT_OUT_CHARS, isoflop_figure
+
+    def night(reason: str | None) -> dict:
+        cells = [
+            {
+                "index": i,
+                "label": f"c{i}",
+                "budget": 1e12,
+                "params": n,
+                "tokens": 1e12 / (6 * n),
+                "metric": 3.0 + i / 10,
+                "reason": None,
+            }
+            for i, n in enumerate([1e4, 2e4, 4e4])
+        ]
+        cells.append(
+            {
+                "index": 3,
+                "label": "c3",
+                "budget": 1e12,
+                "params": 8e4,
+                "tokens": None,
+                "metric": None,
+                "reason": reason,
+            }
+        )
+        return {
+            "run_id": "night-1",
+            "cells": cells if reason else cells[:3],
+            "forecasts": [],
+            "fits": {},
+        }
+
+    def axes_width(fig) -> float:
+        fig.draw_without_rendering()  # constrained layout places the axes when drawn
+        return fig.axes[0].get_position().width
+
+    reason = "training FAILED: " + "fault injection: fail_at_step=1 reached; " * 8
+    with_note = isoflop_figure(night(reason), "loss")
+    assert axes_width(with_note) == pytest.approx(
+        axes_width(isoflop_figure(night(None), "loss")), rel=0.02
+    )
+    (note,) = [t.get_text() for t in with_note.axes[0].texts if t.get_text().startswith("left out")]
+    assert note.splitlines()[1].startswith("[3] c3: training FAILED: fault injection")
+    assert max(len(line) for line in note.splitlines()) <= LEFT_OUT_CHARS
+
+
 def test_the_isoflop_plot_draws_each_parabola_over_the_cells_it_was_fitted_to():
     """A budget's parabola is fitted to the cells around its minimum: the plot draws it over
     those only, and the cells beyond (approach 3 still uses them) hollow, not as fitted."""
