@@ -547,6 +547,7 @@ class CheckForecastOperator(StepLineageMixin, BaseOperator):
         return (
             f"{len(problems)} cell(s) or forecast(s) incomplete: "
             + "; ".join(problems)
-            + " -- a backfill (reprocess failed) or clearing them with their downstream "
-            "reruns only those"
+            + " -- clear their tasks with their downstream (Airflow's Clear with Downstream; "
+            "Only failed would leave the fit as it was), or backfill a scheduled night with "
+            "reprocess_behavior=failed: every other step is a cache hit"
         )

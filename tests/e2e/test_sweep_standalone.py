@@ -139,7 +139,9 @@ def _the_night_failed_at_its_cell(af, run_id: str, monkeypatch: pytest.MonkeyPat
     assert str(nodes["check"].execution.state) == "FAILED"  # the night fails at its leaf
     error = nodes["check"].execution.error
     assert f"[{SWEEP_FAILING_CELL}]" in error and "backfill" in error, error
-    assert "a backfill (reprocess failed)" in af.task_log(run_id, "check", dag_id=SWEEP_DAG_ID)
+    assert "backfill a scheduled night with reprocess_behavior=failed" in af.task_log(
+        run_id, "check", dag_id=SWEEP_DAG_ID
+    )
 
     # The night's run summary, as record writes a pipeline run's: written before the night
     # fails, it names the failed cell first and says what a backfill reruns (that cell's train
@@ -171,7 +173,9 @@ def _the_night_failed_at_its_cell(af, run_id: str, monkeypatch: pytest.MonkeyPat
     text = " ".join(page.text.split())
     assert f'Failed at <span id="failed-step">{failed_step}</span>' in text, text[:3000]
     assert "2 run again" in text and f"{left_out[0]['label']}</span> at step" in text
-    assert "), then check." in text  # the night's last task runs again after the steps
+    # with their downstream: the fit, then the night's last task, run again after the steps
+    assert "Clear the failed cells' tasks with their downstream" in text
+    assert "), then the fit and check." in text
     return record, forecast, registered, failed_step
 
 
