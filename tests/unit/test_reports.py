@@ -224,6 +224,28 @@ def test_a_failed_runs_page_says_which_step_failed_why_and_what_a_rerun_resumes(
     assert view.training is None and len(loss_curve(view)) == TRAIN_STEPS
 
 
+def test_a_sweep_nights_page_shows_no_gate_measure(store):
+    """The mean over the held-out stores is the pipeline gate's measure: a sweep night has no
+    gate, and its cells' stores averaged together measure nothing."""
+    from operators.sweep.report import SWEEP_DAG
+
+    for cell in ("0", "1"):
+        ex = store.start_execution(
+            "evaluate_cell", run_id="night", pipeline=SWEEP_DAG, step_version=cell * 8
+        )
+        store.record_output(
+            ex,
+            f"/steps/evaluate-{cell * 8}/heldout-brown.json",
+            "eval_result",
+            role="heldout-brown",
+            counts={"loss": 6.1, "perplexity": 445.9, "bits_per_byte": 2.3, "tokens": 4096},
+        )
+        store.finish_execution(ex)
+    html = parse(pages.run_page(store, "night", "/slipway"))
+    assert [a for a, _ in html.rows if a.get("id") == "heldout-mean"] == []
+    assert "gate's measure" not in " ".join(html.text)
+
+
 def test_a_run_refused_at_validate_is_told_to_trigger_anew(store):
     """Clearing a run whose values validate refused checks the same values again: the page
     says to trigger a new run, not to clear and rerun."""
