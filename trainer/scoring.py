@@ -15,6 +15,7 @@ scores come back replicated, so the same code runs on one CPU or across a TPU sl
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -254,14 +255,11 @@ def task_metrics(task: Task, examples: Sequence[Example], rows: Sequence[dict]) 
     and how many examples had a context cut to fit."""
     accs = [r["acc"] for r in rows]
     norms = [r["acc_norm"] for r in rows] if task.acc_norm else []
-    if task.pooled:
-        group_of = {e.doc_id: e.group for e in examples}
+    group_of = {e.doc_id: e.group for e in examples if e.group}
+    stderr = mean_stderr
+    if group_of:  # the harness's group of subtasks (MMLU's subjects)
         groups = [group_of[r["doc_id"]] for r in rows]
-
-        def stderr(values: Sequence[float]) -> float | None:
-            return pooled_stderr(values, groups)
-    else:
-        stderr = mean_stderr
+        stderr = functools.partial(pooled_stderr, groups=groups)
     perplexity = None
     if task.kind == "loglikelihood":
         # the harness's perplexity aggregation: exp(-mean log-likelihood per example)

@@ -54,7 +54,9 @@ class Example:
     requests: tuple[Request, ...]
     gold: int
     choices: tuple[str, ...] = ()
-    group: str = ""  # the harness's subtask it belongs to (MMLU: its subject), for the stderr
+    # The harness's subtask it belongs to (MMLU: its subject). A task whose examples carry one
+    # is a group of subtasks to the harness, its mean weighted by size: its stderr is pooled.
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,6 @@ class Task:
     acc_norm: bool = True
     shots: int = 0
     fewshot_split: str = ""
-    # The harness runs it as a group of subtasks (``Example.group``; MMLU: one per subject)
-    # whose mean is weighted by size: its stderr pools the subtasks' variances.
-    pooled: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -163,17 +162,8 @@ TASKS: dict[str, Task] = {
         Task("piqa", "piqa", "validation", piqa),
         Task("winogrande", "winogrande", "validation", winogrande, acc_norm=False),
         Task("lambada_openai", "lambada", "test", lambada, kind="loglikelihood", acc_norm=False),
-        Task("mmlu", "mmlu", "test", mmlu, acc_norm=False, pooled=True),
-        Task(
-            "mmlu_5shot",
-            "mmlu",
-            "test",
-            mmlu,
-            acc_norm=False,
-            shots=5,
-            fewshot_split="dev",
-            pooled=True,
-        ),
+        Task("mmlu", "mmlu", "test", mmlu, acc_norm=False),
+        Task("mmlu_5shot", "mmlu", "test", mmlu, acc_norm=False, shots=5, fewshot_split="dev"),
     )
 }
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,10 +149,8 @@ class RunView:
         for name in self.rerun_pending:
             if name not in ran and name not in found:
                 found[name] = "not started yet in this rerun"
-        # in the pipeline's order (``record`` writes the task states in the DAG's), steps
-        # without a task of their own after
-        order = {task: i for i, task in enumerate(states or self.rerun_pending)}
-        return tuple(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
+        names = _in_pipeline_order(found, list(states) or self.rerun_pending)
+        return tuple((name, found[name]) for name in names)
 
     @property
     def refused(self) -> bool:
@@ -279,6 +277,13 @@ def _run_state(graph: RunGraph, summary: Mapping[str, Any]) -> str:
     return str(ExecutionState.FAILED if failed else ExecutionState.COMPLETE)
 
 
+def _in_pipeline_order(names: Iterable[str], tasks: Sequence[str]) -> tuple[str, ...]:
+    """``names`` in the order of ``tasks`` (a summary's task states, which ``record`` writes
+    in the DAG's order); steps without a task of their own after them, as they came."""
+    order = {task: i for i, task in enumerate(tasks)}
+    return tuple(sorted(names, key=lambda name: order.get(name, len(order))))
+
+
 def _output(node: StepNode | None) -> str | None:
     output = (node.execution.properties or {}).get("output") if node else None
     return output if isinstance(output, str) else None
@@ -327,14 +332,14 @@ def run_view(graph: RunGraph) -> RunView:
         # summary's failures, resume plan, task states, state and end are an earlier
         # attempt's. The executions say where the rerun is until its last task sums it up;
         # what that summary had as not run stays listed until it starts.
+        earlier_states = summary.get("task_states") or {}
         earlier = [step_name(key) for key in (summary.get("resume") or {}).get("rerun") or ()]
         earlier += [
             task
-            for task, state in (summary.get("task_states") or {}).items()
+            for task, state in earlier_states.items()
             if task != "record" and state in _NOT_RUN and task not in earlier
         ]
-        order = {task: i for i, task in enumerate(summary.get("task_states") or {})}
-        rerun_pending = tuple(sorted(earlier, key=lambda n: order.get(n, len(order))))
+        rerun_pending = _in_pipeline_order(earlier, list(earlier_states))
         summary, summarized_by = {}, None
     ended_at = graph.run.ended_at
     if summary and ended_at is None and summarized_by is not None:

@@ -333,6 +333,19 @@ def test_metric_stores_must_be_stores_of_the_run():
     check_sweep_config(sweep_params(metric_stores=["heldout-brown", "eval-lambada"]), VOCAB)
 
 
+def _cell(index: int, params: float, metric: float | None, budget: float = 1e12) -> dict:
+    """One IsoFLOP cell as a night's report holds it, trained to ``metric``."""
+    return {
+        "index": index,
+        "label": f"c{index}",
+        "budget": budget,
+        "params": params,
+        "tokens": budget / (6 * params),
+        "metric": metric,
+        "reason": None,
+    }
+
+
 def test_a_long_left_out_reason_leaves_the_isoflop_axes_their_size():
     """A cell left out is named under the curves with its reason, cut to one short line: a
     long reason (a training failure's whole message) would run past the axes, and the layout
@@ -340,35 +353,10 @@ def test_a_long_left_out_reason_leaves_the_isoflop_axes_their_size():
     from operators.sweep.figures import LEFT_OUT_CHARS, isoflop_figure
 
     def night(reason: str | None) -> dict:
-        cells = [
-            {
-                "index": i,
-                "label": f"c{i}",
-                "budget": 1e12,
-                "params": n,
-                "tokens": 1e12 / (6 * n),
-                "metric": 3.0 + i / 10,
-                "reason": None,
-            }
-            for i, n in enumerate([1e4, 2e4, 4e4])
-        ]
-        cells.append(
-            {
-                "index": 3,
-                "label": "c3",
-                "budget": 1e12,
-                "params": 8e4,
-                "tokens": None,
-                "metric": None,
-                "reason": reason,
-            }
-        )
-        return {
-            "run_id": "night-1",
-            "cells": cells if reason else cells[:3],
-            "forecasts": [],
-            "fits": {},
-        }
+        cells = [_cell(i, n, 3.0 + i / 10) for i, n in enumerate([1e4, 2e4, 4e4])]
+        if reason:
+            cells.append({**_cell(3, 8e4, None), "tokens": None, "reason": reason})
+        return {"run_id": "night-1", "cells": cells, "forecasts": [], "fits": {}}
 
     def axes_width(fig) -> float:
         fig.draw_without_rendering()  # constrained layout places the axes when drawn
@@ -390,18 +378,7 @@ def test_the_isoflop_plot_draws_each_parabola_over_the_cells_it_was_fitted_to():
     from operators.sweep.figures import isoflop_figure
 
     sizes = [1e4, 2e4, 4e4, 8e4, 3.2e5]
-    cells = [
-        {
-            "index": i,
-            "label": f"c{i}",
-            "budget": 1e12,
-            "params": n,
-            "tokens": 1e12 / (6 * n),
-            "metric": 3.0 + (math.log(n / 4e4)) ** 2 / 4,
-            "reason": None,
-        }
-        for i, n in enumerate(sizes)
-    ]
+    cells = [_cell(i, n, 3.0 + (math.log(n / 4e4)) ** 2 / 4) for i, n in enumerate(sizes)]
     optimum = {
         "compute": 1e12,
         "params": 4e4,
